@@ -1,0 +1,289 @@
+"""The ``mmaccel`` command line: a thin layer over the Python API.
+
+Commands
+--------
+``mmaccel compare --task niah [--model M] [--methods ...] [--length N] [--depth D] [--out DIR]``
+    Every method on one NIAH document; prints a side-by-side table and writes ``compare.json``.
+``mmaccel niah --model M --methods ... --lengths ... --depths ... --trials N --out DIR``
+    A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method.
+``mmaccel zoo list`` / ``mmaccel zoo train NAME``
+    The offline micro-model zoo.
+``mmaccel kernel-bench ...``
+    Kernel benchmarks (``mmaccel.kernels.bench``); the remaining arguments are passed through.
+
+Method specs are ``name`` or ``name:key=value:key=value``; the names come from :data:`mmaccel.longctx.METHODS`.
+Configuration errors (unknown method, bad budget, a length too small for the needle, a missing haystack file, an
+unknown model) print one ``error: ...`` line to stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as ``error: message`` with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one ``error: ...`` line, like every other CLI error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {message} (see `{self.prog} -h`)\n")
+
+
+def _method_names() -> list[str]:
+    from .longctx import METHODS
+
+    return sorted(METHODS)
+
+
+def _method_spec(text: str) -> str:
+    """argparse ``type=``: validate a method spec against the registry up front."""
+    from .longctx import build_method
+
+    try:
+        build_method(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _depth(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depth {text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"depth must be in [0, 1], got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="micro-lm",
+                   help="zoo name (see `mmaccel zoo list`), local HF checkpoint directory or hub id (default micro-lm)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--attn", dest="attn_implementation", default=None,
+                   help="attention implementation: sdpa (default) | eager | flex_attention | mmaccel | ...")
+
+
+def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str], max_new_tokens: int) -> None:
+    names = ", ".join(_method_names())
+    p.add_argument("--methods", nargs="+", type=_method_spec, default=methods_default, metavar="SPEC",
+                   help=f"method specs 'name' or 'name:key=value:...'; names: {names} "
+                        f"(default: {' '.join(methods_default)})")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
+    p.add_argument("--repeats", type=_positive_int, default=1, help="measured runs per method (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per method (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--haystack", default=None, metavar="FILE", help="haystack text file (default: built-in prose)")
+    p.add_argument("--needle-template", default=None, help="needle format string with {key} and {value}")
+    p.add_argument("--question-template", default=None, help="question format string with {key}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every ``mmaccel`` command."""
+    parser = _Parser(prog="mmaccel", description="A measured workbench for cheaper inference.")
+    parser.add_argument("--version", action="version", version=f"mmaccel {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("compare", help="run several methods on one input and print a side-by-side table")
+    p.add_argument("--task", choices=["niah"], default="niah", help="input to build (default niah)")
+    _add_model_args(p)
+    _add_run_args(p, ["full", "snapkv", "streaming"], max_new_tokens=16)
+    p.add_argument("--length", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
+    p.add_argument("--depth", type=_depth, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--out", default="runs/compare", help="output folder for compare.json (default runs/compare)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("niah", help="needle-in-a-haystack sweep: results.jsonl, summary.json, heatmaps")
+    _add_model_args(p)
+    _add_run_args(p, ["full"], max_new_tokens=8)
+    p.add_argument("--lengths", nargs="+", type=_positive_int, default=[1024, 2048, 4096], metavar="N")
+    p.add_argument("--depths", nargs="+", type=_depth, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D")
+    p.add_argument("--trials", type=_positive_int, default=3)
+    p.add_argument("--out", default="runs/niah", help="output folder (default runs/niah)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_niah)
+
+    p = sub.add_parser("zoo", help="the offline micro-model zoo")
+    zoo = p.add_subparsers(dest="zoo_command", metavar="ACTION", required=True)
+    z = zoo.add_parser("list", help="list zoo models and whether their weights are present")
+    z.set_defaults(func=cmd_zoo_list)
+    z = zoo.add_parser("train", help="train a zoo model from scratch, then write its model card")
+    z.add_argument("name")
+    z.add_argument("--out", default=None, help="output folder (default assets/models/NAME)")
+    z.add_argument("--device", default="cpu")
+    z.add_argument("--threads", type=_positive_int, default=None)
+    z.add_argument("--max-steps", type=_positive_int, default=None)
+    z.set_defaults(func=cmd_zoo_train)
+
+    p = sub.add_parser("kernel-bench", help="attention-kernel benchmarks (arguments go to mmaccel.kernels.bench)",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_kernel_bench)
+    return parser
+
+
+# -------------------------------------------------------------------------------------------------------- commands
+def _load_model(args):
+    from .models import load
+
+    return load(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation)
+
+
+def _templates(args) -> dict:
+    from .eval.haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE
+
+    return {
+        "needle_template": args.needle_template or NEEDLE_TEMPLATE,
+        "question_template": args.question_template or QUESTION_TEMPLATE,
+    }
+
+
+def _check_haystack(path) -> None:
+    if path is not None and not Path(path).expanduser().is_file():
+        raise FileNotFoundError(f"haystack file {path!r} does not exist; pass a text file with --haystack")
+
+
+def cmd_compare(args) -> int:
+    """``mmaccel compare``: one NIAH document, every method, a table on stdout and ``compare.json``."""
+    from .eval.compare import compare
+    from .eval.niah import build_samples, check_templates
+
+    templates = _templates(args)
+    check_templates(**templates)
+    _check_haystack(args.haystack)
+    model, tokenizer = _load_model(args)
+    ((_, sample),) = build_samples(
+        tokenizer, [args.length], [args.depth], 1, seed=args.seed, haystack=args.haystack, **templates
+    )
+    result = compare(
+        model, tokenizer, sample, args.methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        warmup=args.warmup,
+    )
+    out = Path(args.out) / "compare.json"
+    result.to_json(out)
+    print(f"NIAH: {sample.length} tokens, needle at depth {sample.depth:g} (token {sample.needle_position}), "
+          f"answer {sample.answer}; model {args.model}, device {result.records[0].device}")
+    print(result.to_markdown())
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_niah(args) -> int:
+    """``mmaccel niah``: a length x depth sweep written to ``--out``."""
+    from .eval.niah import check_templates, run_niah
+
+    templates = _templates(args)
+    check_templates(**templates)
+    _check_haystack(args.haystack)
+    model, tokenizer = _load_model(args)
+    result = run_niah(
+        model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
+        haystack=args.haystack, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+        out_dir=args.out, progress=not args.no_progress, **templates,
+    )
+    header = "| method | " + " | ".join(str(n) for n in args.lengths) + " | overall |"
+    print(header)
+    print("|" + "---|" * (len(args.lengths) + 2))
+    for label, m in result.summary["methods"].items():
+        per_len = []
+        for n in args.lengths:
+            cells = [c for c in m["cells"] if c["length"] == n and c["accuracy"] is not None]
+            acc = sum(c["accuracy"] * c["n"] for c in cells) / max(1, sum(c["n"] for c in cells)) if cells else None
+            per_len.append("-" if acc is None else f"{acc:.2f}")
+        overall = "-" if m["accuracy"] is None else f"{m['accuracy']:.2f}"
+        print(f"| {label} | " + " | ".join(per_len) + f" | {overall} |")
+    print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
+    return 0
+
+
+def cmd_zoo_list(args) -> int:
+    """``mmaccel zoo list``."""
+    from .eval.compare import format_bytes
+    from .models.zoo import list_models
+
+    print(f"{'name':<14}{'trained':<9}{'size':>11}  description")
+    for row in list_models():
+        size = format_bytes(row["size_bytes"]) if row["trained"] else "-"
+        print(f"{row['name']:<14}{'yes' if row['trained'] else 'no':<9}{size:>11}  {row['description']}")
+    return 0
+
+
+def cmd_zoo_train(args) -> int:
+    """``mmaccel zoo train NAME``: train, then write the model card."""
+    from .models import train as train_mod
+    from .models.card import write_model_card
+    from .models.zoo import ZOO
+
+    if args.name not in ZOO:
+        raise CLIError(f"unknown zoo model {args.name!r}; the zoo has: {', '.join(ZOO)}")
+    summary = train_mod.train(args.name, args.out, device=args.device, threads=args.threads, max_steps=args.max_steps)
+    card = write_model_card(args.name, args.out)
+    print(f"trained {args.name}: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s; card {card}")
+    return 0
+
+
+def cmd_kernel_bench(args) -> int:
+    """``mmaccel kernel-bench ...``: forward the arguments to ``mmaccel.kernels.bench.main``."""
+    try:
+        from .kernels import bench
+    except ImportError as exc:
+        raise CLIError(f"kernel benchmarks are not available: {exc}") from exc
+    rc = bench.main(list(args.bench_args))
+    return int(rc or 0)
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mmaccel`` command line.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        Exit status: 0 on success, 2 for a usage or configuration error (one ``error: ...`` line on stderr).
+    """
+    from .models.loading import ModelLoadError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # argparse.REMAINDER after a subcommand does not capture leading options: split kernel-bench off ourselves.
+    if "kernel-bench" in argv:
+        i = argv.index("kernel-bench")
+        args = parser.parse_args(argv[: i + 1])
+        args.bench_args = argv[i + 1:]
+    else:
+        args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (CLIError, ModelLoadError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE

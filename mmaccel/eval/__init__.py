@@ -1,0 +1,25 @@
+"""mmaccel.eval: measured generation, the NIAH harness and side-by-side comparisons.
+
+- :func:`generate_measured` -- the one generation path; returns a :class:`RunRecord` per run.
+- :func:`compare` -- several methods on one input -> :class:`Comparison` (table + JSON).
+- :func:`run_niah` -- a length x depth NIAH sweep -> ``results.jsonl``, ``summary.json``, heatmaps.
+"""
+from .compare import Comparison, compare
+from .generation import RunRecord, generate_measured
+from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
+from .niah import NIAHResult, run_niah
+
+__all__ = [
+    "RunRecord",
+    "generate_measured",
+    "Comparison",
+    "compare",
+    "NIAHResult",
+    "run_niah",
+    "NIAHSample",
+    "HaystackTokens",
+    "make_niah_sample",
+    "score_answer",
+    "NEEDLE_TEMPLATE",
+    "QUESTION_TEMPLATE",
+]

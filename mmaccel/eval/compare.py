@@ -1,0 +1,171 @@
+"""Side-by-side comparison of methods on one input: ``mmaccel.compare`` and ``mmaccel compare``.
+
+Every method runs in turn on the same prompt through :func:`~mmaccel.eval.generation.generate_measured`, so all rows
+have the same fields; the table, the JSON and the app are built from those records.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .generation import RunRecord, as_input_ids, generate_measured, resolve_methods
+from .haystack import NIAHSample, score_answer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_METHODS = ("full", "snapkv", "streaming")
+
+
+def format_bytes(n: int | None) -> str:
+    """Human-readable bytes (``"1.5 MiB"``); ``"-"`` for ``None``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover
+
+
+def _cell(text: str, width: int = 24) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+@dataclass
+class Comparison:
+    """Records of several methods run on the same input.
+
+    Attributes
+    ----------
+    records : list of RunRecord
+        One per method, in the order given.
+    answer : str or None
+        The expected answer, when known (e.g. the needle value of a NIAH sample).
+    inputs : dict
+        Facts about the input (``prompt_tokens``; NIAH ``length``, ``depth``, ``key``, ``needle_position``).
+    """
+
+    records: list[RunRecord]
+    answer: str | None = None
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> RunRecord | None:
+        """The first successful ``full`` record, the reference of the KV ratio (``None`` if there is none)."""
+        return next((r for r in self.records if r.method_name == "full" and r.ok), None)
+
+    def kv_ratio(self, record: RunRecord) -> float | None:
+        """``record.kv_cache_bytes_final / baseline.kv_cache_bytes_final`` (``None`` without a baseline)."""
+        base = self.baseline
+        if base is None or not record.ok or not base.kv_cache_bytes_final or record.kv_cache_bytes_final is None:
+            return None
+        return record.kv_cache_bytes_final / base.kv_cache_bytes_final
+
+    def to_dict(self) -> dict:
+        """``{"answer", "inputs", "records": [RunRecord.to_dict() + "kv_ratio_vs_full"]}``."""
+        rows = []
+        for r in self.records:
+            row = r.to_dict()
+            row["kv_ratio_vs_full"] = self.kv_ratio(r)
+            rows.append(row)
+        return {"answer": self.answer, "inputs": self.inputs, "records": rows}
+
+    def to_json(self, path=None, indent: int = 2) -> str:
+        """The comparison as JSON text; also written to ``path`` when given (parent folders are created)."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n", encoding="utf-8")
+        return text
+
+    def to_markdown(self) -> str:
+        """A Markdown table: method, answer, correct, TTFT (s), tok/s, peak mem, KV bytes, KV ratio vs full.
+
+        "KV bytes" is the K/V held at the end of generation; a failed run shows its error in the answer column.
+        """
+        header = ["method", "answer", "correct", "TTFT (s)", "tok/s", "peak mem", "KV bytes", "KV ratio vs full"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+        for r in self.records:
+            if not r.ok:
+                cells = [r.method, _cell(f"FAILED: {r.error}", 48), "-", "-", "-", "-", "-", "-"]
+            else:
+                correct = r.extra.get("correct")
+                cells = [
+                    r.method,
+                    _cell(r.output_text),
+                    "-" if correct is None else ("yes" if correct else "no"),
+                    _num(r.ttft_s, ".3f"),
+                    _num(r.tokens_per_s, ".1f"),
+                    format_bytes(r.peak_memory_bytes),
+                    format_bytes(r.kv_cache_bytes_final),
+                    _num(self.kv_ratio(r), ".3f"),
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def compare(
+    model,
+    tokenizer,
+    inputs,
+    methods: Sequence = DEFAULT_METHODS,
+    *,
+    max_new_tokens: int = 16,
+    repeats: int = 1,
+    warmup: int = 1,
+    answer: str | None = None,
+) -> Comparison:
+    """Run each method in turn on the same input and collect one :class:`RunRecord` per method.
+
+    Parameters
+    ----------
+    model, tokenizer
+        Any Hugging Face causal LM and its tokenizer.
+    inputs : str, list of int, torch.Tensor [L] or [1, L], or NIAHSample
+        One prompt. A NIAH sample also supplies the expected answer.
+    methods : sequence of str or KVMethod
+        Specs such as ``["full", "snapkv:budget=256", "streaming:window=256"]`` (default ``full snapkv streaming``).
+    max_new_tokens, repeats, warmup : int
+        See :func:`~mmaccel.eval.generation.generate_measured`.
+    answer : str, optional
+        Expected answer; when known (given or from a NIAH sample) each record gets ``extra["answer"]`` and
+        ``extra["correct"]`` (exact match, :func:`~mmaccel.eval.haystack.score_answer`).
+
+    Returns
+    -------
+    Comparison
+
+    Raises
+    ------
+    ValueError
+        Before any run: an unknown method or bad method arguments, an empty or batched prompt. A method whose run
+        fails (e.g. out of memory) gets a ``status="failed"`` record and the others still run.
+    """
+    resolved = resolve_methods(methods)
+    info: dict = {}
+    if isinstance(inputs, NIAHSample):
+        answer = answer if answer is not None else inputs.answer
+        info.update(length=inputs.length, depth=inputs.depth, key=inputs.key, needle_position=inputs.needle_position)
+    ids = as_input_ids(inputs, tokenizer)
+    info["prompt_tokens"] = int(ids.shape[1])
+    records = []
+    for method, label in resolved:
+        logger.info("compare: running %s on %d tokens", label, ids.shape[1])
+        rec = generate_measured(
+            model, tokenizer, ids, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
+            warmup=warmup,
+        )
+        if answer is not None:
+            rec.extra.update(answer=answer, correct=rec.ok and score_answer(rec.output_text, answer))
+        records.append(rec)
+    return Comparison(records=records, answer=answer, inputs=info)

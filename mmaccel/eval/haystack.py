@@ -1,0 +1,281 @@
+"""Offline prose and planted needles: the text both the micro-model training and NIAH use.
+
+Real prose that every machine has offline is harvested from the docstrings of Python's standard library
+(parsed with :mod:`ast`, never imported). Paragraphs are split deterministically into a training split and a
+held-out split (by a stable hash), so NIAH haystacks are prose the micro-models did not see verbatim.
+
+The needle task follows Needle-in-a-Haystack (Kamradt, 2023) and RULER (Hsieh et al., 2024, arXiv 2404.06654):
+a key-value fact is planted at a relative depth in a long document, and a question at the end asks for the value.
+Scoring is exact match on the value.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import random
+import re
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NEEDLE_TEMPLATE = "The secret number of the {key} is {value}."
+QUESTION_TEMPLATE = "What is the secret number of the {key}? The secret number of the {key} is"
+
+_ADJECTIVES = (
+    "red blue green black white silver golden purple orange yellow brown gray quiet loud rapid slow bright dark "
+    "brave calm eager gentle happy proud clever lucky noble wild frozen hidden ancient modern tiny giant "
+    "northern southern eastern western"
+).split()
+_NOUNS = (
+    "river mountain forest castle garden harbor island valley desert bridge tower market village temple "
+    "lantern compass anchor falcon tiger rabbit dragon wizard pirate sailor farmer doctor teacher painter "
+    "engine rocket violin piano mirror window"
+).split()
+
+
+@dataclass
+class Needle:
+    """A key-value fact to plant.
+
+    Attributes
+    ----------
+    key : str
+        What the question names, e.g. ``"silver falcon"``.
+    value : str
+        The expected answer, a string of digits, e.g. ``"40817"``.
+    """
+
+    key: str
+    value: str
+
+    def text(self, template: str = NEEDLE_TEMPLATE) -> str:
+        return template.format(key=self.key, value=self.value)
+
+    def question(self, template: str = QUESTION_TEMPLATE) -> str:
+        return template.format(key=self.key, value=self.value)
+
+
+def random_needles(rng: random.Random, n: int = 1, digits: int = 5) -> list[Needle]:
+    """Draw ``n`` needles with distinct keys and random ``digits``-digit values (first digit non-zero)."""
+    keys: set[str] = set()
+    while len(keys) < n:
+        keys.add(f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}")
+    out = []
+    for key in sorted(keys, key=lambda k: rng.random()):
+        value = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
+        out.append(Needle(key=key, value=value))
+    return out
+
+
+def _clean(doc: str) -> str | None:
+    lines = [ln.strip() for ln in doc.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith((">>>", "...", "$", "%"))]
+    text = re.sub(r"\s+", " ", " ".join(lines)).strip()
+    if len(text) < 80 or not text.isascii():
+        return None
+    return text
+
+
+def _split(text: str) -> str:
+    return "eval" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % 10 == 0 else "train"
+
+
+def stdlib_paragraphs(split: str = "train") -> tuple[str, ...]:
+    """Docstring paragraphs of the running Python's standard library, in a stable order.
+
+    Parameters
+    ----------
+    split : {"train", "eval", "all"}
+        ``"eval"`` is a deterministic ~10% hold-out (by SHA-1 of the paragraph).
+
+    Returns
+    -------
+    tuple of str
+        Whitespace-normalised ASCII paragraphs of at least 80 characters, de-duplicated.
+
+    Raises
+    ------
+    ValueError
+        For an unknown split.
+    FileNotFoundError
+        If the standard library sources cannot be found (a stripped Python install).
+    """
+    if split not in ("train", "eval", "all"):
+        raise ValueError(f"unknown split {split!r}; use 'train', 'eval' or 'all'")
+    paras = _all_paragraphs()
+    return paras if split == "all" else tuple(p for p in paras if _split(p) == split)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_paragraphs() -> tuple[str, ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    if not files:
+        raise FileNotFoundError(f"no standard-library sources under {root}; pass a haystack text file instead")
+    seen: set[str] = set()
+    out: list[str] = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="ignore"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if not doc:
+                    continue
+                for para in re.split(r"\n\s*\n", doc):
+                    text = _clean(para)
+                    if text and text not in seen:
+                        seen.add(text)
+                        out.append(text)
+    return tuple(out)
+
+
+def prose_stream(rng: random.Random, split: str = "train"):
+    """Yield paragraphs forever, in a shuffled order drawn from ``rng``."""
+    paras = list(stdlib_paragraphs(split))
+    while True:
+        rng.shuffle(paras)
+        yield from paras
+
+
+class HaystackTokens:
+    """Token ids of a long haystack text, cached per tokenizer, with sentence-boundary lookup.
+
+    Parameters
+    ----------
+    tokenizer : a Hugging Face tokenizer
+    text : str, optional
+        The haystack. Default: the held-out split of the standard-library docstrings, joined with spaces.
+
+    Raises
+    ------
+    ValueError
+        If the text is empty.
+    """
+
+    def __init__(self, tokenizer, text: str | None = None):
+        if text is None:
+            text = " ".join(stdlib_paragraphs("eval"))
+        if not text.strip():
+            raise ValueError("the haystack text is empty; pass a file with prose in it")
+        self.ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+        vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.period_ids = {i for i, t in enumerate(vocab) if t is not None and t.rstrip().endswith(".")}
+
+    def span(self, n: int, rng: random.Random) -> list[int]:
+        """``n`` consecutive ids from a random offset; the text is repeated when it is shorter than ``n``."""
+        ids = self.ids
+        while len(ids) < n + 1:
+            ids = ids + ids
+        start = rng.randrange(0, len(ids) - n)
+        return ids[start : start + n]
+
+    def boundary(self, ids: list[int], pos: int, lookback: int = 48) -> int:
+        """The closest index ``<= pos`` that follows a sentence end, or ``pos`` if none within ``lookback``."""
+        for i in range(pos, max(pos - lookback, 0) - 1, -1):
+            if i == 0 or ids[i - 1] in self.period_ids:
+                return i
+        return pos
+
+
+@dataclass
+class NIAHSample:
+    """One needle-in-a-haystack prompt.
+
+    Attributes
+    ----------
+    input_ids : list of int
+        The whole prompt, ``length`` tokens, BOS first when the tokenizer has one.
+    answer : str
+        The needle's value; scoring is exact match of the first digits generated.
+    needle_position : int
+        Token index where the needle starts.
+    """
+
+    input_ids: list[int]
+    answer: str
+    key: str
+    length: int
+    depth: float
+    needle_position: int
+    needles: list[Needle] = field(default_factory=list)
+
+
+def make_niah_sample(
+    tokenizer,
+    length: int,
+    depth: float,
+    *,
+    seed: int = 0,
+    haystack: HaystackTokens | None = None,
+    needle_template: str = NEEDLE_TEMPLATE,
+    question_template: str = QUESTION_TEMPLATE,
+    digits: int = 5,
+) -> NIAHSample:
+    """Build one NIAH prompt of exactly ``length`` tokens with the needle at relative ``depth``.
+
+    Parameters
+    ----------
+    tokenizer : a Hugging Face tokenizer
+    length : int
+        Prompt length in tokens (BOS, haystack, needle and question together).
+    depth : float
+        Relative position of the needle in the haystack, 0.0 (start) to 1.0 (just before the question).
+    seed : int
+        The same seed, tokenizer and haystack give the same sample.
+    haystack : HaystackTokens, optional
+        Default: the held-out standard-library prose.
+    needle_template, question_template : str
+        Format strings with ``{key}`` and ``{value}``.
+
+    Raises
+    ------
+    ValueError
+        If ``depth`` is outside [0, 1], or ``length`` cannot hold the needle and question (the message gives the
+        minimum length).
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(f"niah:{seed}:{length}:{depth}")
+    hay = haystack if haystack is not None else _default_haystack(tokenizer)
+    (needle,) = random_needles(rng, 1, digits)
+    needle_ids = tokenizer.encode(" " + needle.text(needle_template), add_special_tokens=False)
+    question_ids = tokenizer.encode("\n" + needle.question(question_template), add_special_tokens=False)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    n_hay = length - len(bos) - len(needle_ids) - len(question_ids)
+    minimum = len(bos) + len(needle_ids) + len(question_ids) + 16
+    if length < minimum:
+        raise ValueError(
+            f"length {length} is smaller than the needle and question need: use --lengths of at least {minimum} tokens"
+        )
+    body = hay.span(n_hay, rng)
+    pos = hay.boundary(body, round(depth * n_hay))
+    ids = bos + body[:pos] + needle_ids + body[pos:] + question_ids
+    return NIAHSample(
+        input_ids=ids,
+        answer=needle.value,
+        key=needle.key,
+        length=length,
+        depth=depth,
+        needle_position=len(bos) + pos,
+        needles=[needle],
+    )
+
+
+_HAYSTACK_CACHE: dict[tuple, HaystackTokens] = {}
+
+
+def _default_haystack(tokenizer) -> HaystackTokens:
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), type(tokenizer).__name__)
+    if key not in _HAYSTACK_CACHE:
+        _HAYSTACK_CACHE[key] = HaystackTokens(tokenizer)
+    return _HAYSTACK_CACHE[key]
+
+
+def score_answer(generated: str, answer: str) -> bool:
+    """Exact match: the first run of digits in ``generated`` equals ``answer``."""
+    match = re.search(r"\d+", generated)
+    return bool(match) and match.group(0) == answer

@@ -1,0 +1,381 @@
+"""Needle-in-a-Haystack sweeps over KV-cache methods: records, a summary and one heatmap per method.
+
+Follows Needle-in-a-Haystack (Kamradt, 2023) and RULER's single-needle retrieval (Hsieh et al., 2024,
+arXiv 2404.06654) for local Hugging Face causal LMs: a key-value fact is planted at a relative depth of a document of
+a given token length, the question at the end asks for the value, and the answer is scored by exact match
+(:func:`mmaccel.eval.haystack.score_answer`). Every method sees exactly the same prompts.
+
+Output folder
+-------------
+``results.jsonl``
+    One :class:`~mmaccel.eval.generation.RunRecord` per (method, length, depth, trial), written and flushed as soon as
+    it exists, so nothing is lost if a later run dies. ``extra`` holds ``length``, ``depth``, ``trial``,
+    ``sample_seed``, ``key``, ``answer``, ``needle_position`` and ``correct``.
+``summary.json``
+    Per method: overall accuracy, and per length x depth cell the accuracy, counts and medians of TTFT, tokens/s,
+    peak memory and final K/V bytes.
+``heatmap_<method>.png``
+    Accuracy over length (x) x depth (y), one per method.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .generation import generate_measured, resolve_methods
+from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
+
+logger = logging.getLogger(__name__)
+
+_MEDIAN_FIELDS = {
+    "ttft_s": "ttft_s",
+    "tokens_per_s": "tokens_per_s",
+    "peak_memory_bytes": "peak_memory_bytes",
+    "kv_cache_bytes": "kv_cache_bytes_final",
+}
+
+
+def load_haystack(tokenizer, haystack=None) -> HaystackTokens | None:
+    """Resolve ``haystack`` into token ids.
+
+    Parameters
+    ----------
+    haystack : None, str, os.PathLike or HaystackTokens
+        ``None``: the built-in held-out prose (returns ``None``, so the shared default is used). A path: a UTF-8 text
+        file.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the haystack file does not exist.
+    ValueError
+        If the file holds no text.
+    """
+    if haystack is None or isinstance(haystack, HaystackTokens):
+        return haystack
+    path = Path(haystack).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"haystack file {str(path)!r} does not exist; pass a text file with --haystack")
+    return HaystackTokens(tokenizer, path.read_text(encoding="utf-8", errors="replace"))
+
+
+def check_templates(needle_template: str, question_template: str) -> None:
+    """Check that the needle names ``{key}`` and ``{value}`` and the question names ``{key}`` (and not the value).
+
+    Raises
+    ------
+    ValueError
+        With the template that is wrong and what it must contain.
+    """
+    for name, template, need in (("needle", needle_template, ("{key}", "{value}")), ("question", question_template,
+                                                                                       ("{key}",))):
+        missing = [p for p in need if p not in template]
+        if missing:
+            raise ValueError(f"the {name} template {template!r} must contain {' and '.join(missing)}")
+    if "{value}" in question_template:
+        raise ValueError(f"the question template {question_template!r} must not contain the answer ({{value}})")
+
+
+def build_samples(
+    tokenizer,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    *,
+    seed: int = 0,
+    haystack=None,
+    needle_template: str = NEEDLE_TEMPLATE,
+    question_template: str = QUESTION_TEMPLATE,
+) -> list[tuple[int, NIAHSample]]:
+    """All NIAH prompts of a sweep, built (and so validated) before any run.
+
+    Trial ``t`` uses sample seed ``seed + t``; the same arguments give the same prompts.
+
+    Returns
+    -------
+    list of (trial, NIAHSample)
+        In length, depth, trial order.
+
+    Raises
+    ------
+    ValueError
+        For ``trials < 1``, an empty or non-positive length list, a depth outside [0, 1], a length too small for the
+        needle and question (the message gives the minimum), or a bad template.
+    FileNotFoundError
+        If ``haystack`` names a missing file.
+    """
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    if not lengths or any(int(n) < 1 for n in lengths):
+        raise ValueError(f"lengths must be positive token counts, got {list(lengths)}")
+    if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
+        raise ValueError(f"depths must be fractions in [0, 1], got {list(depths)}")
+    check_templates(needle_template, question_template)
+    hay = load_haystack(tokenizer, haystack)
+    return [
+        (
+            trial,
+            make_niah_sample(
+                tokenizer,
+                int(length),
+                float(depth),
+                seed=seed + trial,
+                haystack=hay,
+                needle_template=needle_template,
+                question_template=question_template,
+            ),
+        )
+        for length in lengths
+        for depth in depths
+        for trial in range(trials)
+    ]
+
+
+@dataclass
+class NIAHResult:
+    """The outcome of :func:`run_niah`.
+
+    Attributes
+    ----------
+    records : list of dict
+        ``RunRecord.to_dict()`` per run, as in ``results.jsonl``.
+    summary : dict
+        As in ``summary.json``.
+    out_dir : pathlib.Path or None
+    heatmaps : dict
+        Method label -> PNG path.
+    """
+
+    records: list
+    summary: dict
+    out_dir: Path | None = None
+    heatmaps: dict = field(default_factory=dict)
+
+    def accuracy(self, method: str) -> float | None:
+        """Overall accuracy of one method over its successful runs (``None`` if none succeeded)."""
+        return self.summary["methods"][method]["accuracy"]
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[float]) -> dict:
+    """Aggregate NIAH records per method and per length x depth cell.
+
+    Accuracy is the fraction of *successful* runs that answered correctly (``None`` for a cell where every run
+    failed); failed runs are counted separately in ``failed``.
+
+    Returns
+    -------
+    dict
+        ``{"methods": {label: {"accuracy", "n", "failed", "cells": [{"length", "depth", "accuracy", "n",
+        "failed", "median_ttft_s", "median_tokens_per_s", "median_peak_memory_bytes", "median_kv_cache_bytes"}]}}}``
+    """
+    methods: dict[str, dict] = {}
+    labels = list(dict.fromkeys(r["method"] for r in records))
+    for label in labels:
+        mine = [r for r in records if r["method"] == label]
+        cells = []
+        for length in lengths:
+            for depth in depths:
+                cell = [r for r in mine if r["extra"]["length"] == length and r["extra"]["depth"] == depth]
+                ok = [r for r in cell if r["status"] == "ok"]
+                entry = {
+                    "length": length,
+                    "depth": depth,
+                    "accuracy": sum(r["extra"]["correct"] for r in ok) / len(ok) if ok else None,
+                    "n": len(ok),
+                    "failed": len(cell) - len(ok),
+                }
+                for name, key in _MEDIAN_FIELDS.items():
+                    entry[f"median_{name}"] = _median([r[key] for r in ok])
+                cells.append(entry)
+        ok = [r for r in mine if r["status"] == "ok"]
+        methods[label] = {
+            "accuracy": sum(r["extra"]["correct"] for r in ok) / len(ok) if ok else None,
+            "n": len(ok),
+            "failed": len(mine) - len(ok),
+            "cells": cells,
+        }
+    return {"methods": methods}
+
+
+def safe_label(label: str) -> str:
+    """A file-name-safe version of a method label (``snapkv:budget=256`` -> ``snapkv_budget-256``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label.replace("=", "-")).strip("_") or "method"
+
+
+def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str, path) -> Path:
+    """Draw accuracy over length (x) x depth (y) as a PNG, each cell annotated; failed-only cells are grey.
+
+    Parameters
+    ----------
+    cells : list of dict
+        ``summary["methods"][label]["cells"]``.
+    path : str or os.PathLike
+        Output PNG.
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for c in cells:
+        if c["accuracy"] is not None:
+            grid[list(depths).index(c["depth"]), list(lengths).index(c["length"])] = c["accuracy"]
+    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.55 * len(depths)), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_facecolor("#d0d0d0")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for c in cells:
+        y, x = list(depths).index(c["depth"]), list(lengths).index(c["length"])
+        text = "failed" if c["accuracy"] is None else f"{c['accuracy']:.2f}"
+        ax.text(x, y, text, ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path
+
+
+def run_niah(
+    model,
+    tokenizer,
+    methods: Sequence,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int = 1,
+    *,
+    seed: int = 0,
+    haystack=None,
+    needle_template: str = NEEDLE_TEMPLATE,
+    question_template: str = QUESTION_TEMPLATE,
+    max_new_tokens: int = 8,
+    repeats: int = 1,
+    warmup: int = 1,
+    out_dir=None,
+    progress: bool = True,
+) -> NIAHResult:
+    """Run a NIAH sweep: every method on every (length, depth, trial) prompt.
+
+    Parameters
+    ----------
+    model, tokenizer
+        Any Hugging Face causal LM and its tokenizer.
+    methods : sequence of str or KVMethod
+        Specs such as ``["full", "snapkv:budget=256", "streaming:window=256"]``.
+    lengths : sequence of int
+        Prompt lengths in tokens.
+    depths : sequence of float
+        Needle depths in [0, 1].
+    trials : int
+        Prompts per (length, depth); trial ``t`` uses sample seed ``seed + t``.
+    haystack : None, path or HaystackTokens
+        Default: the built-in held-out prose; a path: any UTF-8 text file.
+    needle_template, question_template : str
+        Format strings with ``{key}`` and ``{value}`` (question: ``{key}`` only).
+    max_new_tokens : int
+        Tokens generated per run (the answer is the first run of digits).
+    repeats, warmup : int
+        Passed to :func:`~mmaccel.eval.generation.generate_measured`; ``warmup`` runs happen once per method, on
+        its first prompt, not before every trial.
+    out_dir : path, optional
+        Where ``results.jsonl``, ``summary.json`` and the heatmaps go; nothing is written when ``None``.
+    progress : bool
+        Show a tqdm progress bar.
+
+    Returns
+    -------
+    NIAHResult
+
+    Raises
+    ------
+    ValueError, FileNotFoundError
+        Configuration errors, all before the first run: an unknown method or bad method arguments, bad
+        lengths/depths/trials, a length too small for the needle, bad templates, a missing haystack file. Failures
+        of single runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
+    """
+    resolved = resolve_methods(methods)
+    samples = build_samples(
+        tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,
+        needle_template=needle_template, question_template=question_template,
+    )
+    lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_pos and max(lengths) + max_new_tokens > max_pos:
+        logger.warning("lengths up to %d exceed the model's max_position_embeddings=%d", max(lengths), max_pos)
+
+    out = Path(out_dir) if out_dir is not None else None
+    sink = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        sink = open(out / "results.jsonl", "w", encoding="utf-8")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(resolved) * len(samples), desc="niah", unit="run", disable=not progress)
+    records: list[dict] = []
+    try:
+        for method, label in resolved:
+            for i, (trial, sample) in enumerate(samples):
+                bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
+                rec = generate_measured(
+                    model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
+                    repeats=repeats, warmup=warmup if i == 0 else 0,
+                )
+                rec.extra.update(
+                    length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
+                    answer=sample.answer, needle_position=sample.needle_position,
+                    correct=rec.ok and score_answer(rec.output_text, sample.answer),
+                )
+                row = rec.to_dict()
+                records.append(row)
+                if sink is not None:
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                bar.update(1)
+    finally:
+        bar.close()
+        if sink is not None:
+            sink.close()
+
+    summary = summarize(records, lengths, depths)
+    summary["config"] = {
+        "methods": [label for _, label in resolved],
+        "lengths": lengths,
+        "depths": depths,
+        "trials": trials,
+        "seed": seed,
+        "haystack": "builtin" if haystack is None else str(haystack),
+        "needle_template": needle_template,
+        "question_template": question_template,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "warmup": warmup,
+    }
+    result = NIAHResult(records=records, summary=summary, out_dir=out)
+    if out is not None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        for _, label in resolved:
+            path = out / f"heatmap_{safe_label(label)}.png"
+            result.heatmaps[label] = plot_heatmap(
+                summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}", path
+            )
+        logger.info("wrote %s", out)
+    return result

@@ -1,0 +1,157 @@
+"""Single-token decode attention over all, selected tokens or selected pages of a KV cache (split-K on GPU)."""
+from __future__ import annotations
+
+import torch
+
+from ._common import attend, default_scale, require_contiguous
+from .backends import resolve_backend
+
+DECODE_BACKENDS = ("triton", "reference")
+
+
+def _check_index(t: torch.Tensor, name: str, B: int, Hq: int, Hkv: int, limit: int) -> torch.Tensor:
+    if t.dim() != 3 or t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.dtype.is_floating_point:
+        raise ValueError(
+            f"{name} must be an integer tensor [B, Hkv or Hq, N] = [{B}, {Hkv} or {Hq}, N], got {tuple(t.shape)} "
+            f"{t.dtype}"
+        )
+    if t.numel() and (int(t.min()) < -1 or int(t.max()) >= limit):
+        raise ValueError(f"{name} must lie in [-1, {limit}) (-1 = unused slot); got [{int(t.min())}, {int(t.max())}]")
+    return t
+
+
+def pages_to_indices(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token positions [B, H, P * page_size] of page ids [B, H, P] (-1 stays -1). An index tensor, not a KV copy."""
+    tok = pages.long()[..., None] * page_size + torch.arange(page_size, device=pages.device)
+    return torch.where(pages[..., None] < 0, -1, tok).flatten(-2)
+
+
+def _reference(q, k_cache, v_cache, idx, lens, scale) -> torch.Tensor:
+    """Gather the selected keys (a copy: this is the oracle), then fp32 softmax attention."""
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    q4 = q[:, :, None]
+    if idx is None:
+        allowed = (torch.arange(S, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        return attend(q4, k_cache, v_cache, allowed, scale)[0][:, :, 0]
+    Hi = idx.shape[1]
+    if Hi == Hkv:  # per key/value head: keep the GQA group together
+        valid = (idx >= 0) & (idx < lens[:, None, None])
+        gi = idx.clamp(min=0).long()[..., None].expand(-1, -1, -1, D)
+        ks, vs = k_cache.gather(2, gi), v_cache.gather(2, gi)
+        return attend(q4, ks, vs, valid[:, :, None, None, :].expand(-1, -1, Hq // Hkv, -1, -1).reshape(
+            B, Hq, 1, -1), scale)[0][:, :, 0]
+    # per query head: each head reads its own tokens of its key/value head
+    kv_of = torch.arange(Hq, device=q.device) // (Hq // Hkv)
+    valid = (idx >= 0) & (idx < lens[:, None, None])
+    gi = idx.clamp(min=0).long()[..., None].expand(-1, -1, -1, D)
+    ks, vs = k_cache[:, kv_of].gather(2, gi), v_cache[:, kv_of].gather(2, gi)
+    return attend(q4, ks, vs, valid[:, :, None, :], scale)[0][:, :, 0]
+
+
+def _default_splits(n_tokens: int, batch_heads: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return max(1, min(4, n_tokens // 64))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return int(max(1, min(64, 2 * sms // max(batch_heads, 1), n_tokens // 256)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    indices: torch.Tensor | None = None,
+    pages: torch.Tensor | None = None,
+    page_size: int = 16,
+    cache_seqlens: torch.Tensor | None = None,
+    scaling: float | None = None,
+    num_splits: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of one new token per sequence over a KV cache, reading only the selected tokens or pages.
+
+    Token selection as in Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+    Inference", arXiv 2406.10774) and TokenSelect (Wu et al., 2024, arXiv 2411.02886); split-K as in flash-decoding
+    (Dao et al., 2023) / FlashInfer (Ye et al., 2025, arXiv 2501.01005). The Triton kernel loads the selected
+    rows straight from the cache; no gathered copy of K/V is made.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        [B, Hq, 1, D] (or [B, Hq, D]) fp32 / fp16 / bf16: the new token's queries.
+    k_cache, v_cache : torch.Tensor
+        [B, Hkv, S, D]; ``Hq`` a multiple of ``Hkv``.
+    indices : torch.Tensor, optional
+        int [B, Hkv, N] (shared by a GQA group) or [B, Hq, N] token positions to read; ``-1`` marks an unused slot.
+        Positions at or beyond ``cache_seqlens`` are ignored. An empty selection gives a zero output.
+    pages : torch.Tensor, optional
+        int [B, Hkv or Hq, P] page ids; page ``p`` covers positions ``[p * page_size, (p + 1) * page_size)``.
+    page_size : int
+        Tokens per page (with ``pages``).
+    cache_seqlens : torch.Tensor, optional
+        int [B] valid cache length per sequence (default ``S``).
+    scaling : float, optional
+        Softmax scale; default ``1 / sqrt(D)``.
+    num_splits : int, optional
+        Split-K partitions (Triton); default from the device's SM count and the number of selected tokens.
+    backend : {"auto", "triton", "reference"}
+        ``"auto"``: Triton on CUDA, the reference (PyTorch gather + softmax) on the CPU.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape as ``q``, in its dtype.
+
+    Raises
+    ------
+    ValueError
+        On mismatched shapes or head counts, both ``indices`` and ``pages``, indices / pages out of range,
+        non-contiguous last dimensions (Triton), a bad ``cache_seqlens``, or an unknown backend.
+    RuntimeError
+        If an explicitly requested backend is unavailable on this device.
+    """
+    squeeze = q.dim() == 3
+    q4 = q[:, :, None] if squeeze else q
+    if q4.dim() != 4 or q4.shape[2] != 1:
+        raise ValueError(f"decode_attention takes one query token: q [B, Hq, 1, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [B, Hkv, S, D], got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    B, Hq, _, D = q4.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"batch and head_dim of q {tuple(q.shape)} and the cache {tuple(k_cache.shape)} must match")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for GQA")
+    if indices is not None and pages is not None:
+        raise ValueError("pass indices or pages, not both")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    name = resolve_backend(backend, q.device, DECODE_BACKENDS, "decode_attention")
+    idx = None
+    if indices is not None:
+        idx = _check_index(indices, "indices", B, Hq, Hkv, S)
+    elif pages is not None:
+        idx = pages_to_indices(_check_index(pages, "pages", B, Hq, Hkv, -(-S // page_size)), page_size)
+    if cache_seqlens is None:
+        lens = torch.full((B,), S, dtype=torch.int32, device=q.device)
+    else:
+        lens = torch.as_tensor(cache_seqlens, device=q.device)
+        if lens.shape != (B,) or lens.dtype.is_floating_point or (lens.numel() and (lens.min() < 0 or lens.max() > S)):
+            raise ValueError(f"cache_seqlens must be an integer tensor [B] = [{B}] with values in [0, {S}]")
+        lens = lens.to(torch.int32)
+    scale = default_scale(scaling, D)
+    q3 = q4[:, :, 0]
+    if name == "triton":
+        from .triton_kernels import decode_triton
+
+        require_contiguous("decode_attention(backend='triton')", q=q3, k_cache=k_cache, v_cache=v_cache)
+        idx32 = idx.to(torch.int32).contiguous() if idx is not None else None
+        n = idx32.shape[2] if idx32 is not None else S
+        splits = num_splits or _default_splits(n, B * Hkv, q.device)
+        out = decode_triton(q3, k_cache, v_cache, idx32, lens, scale, splits)
+    else:
+        out = _reference(q3, k_cache, v_cache, idx, lens, scale)
+    out = out.to(q.dtype)
+    return out if squeeze else out[:, :, None]

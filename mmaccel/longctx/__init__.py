@@ -1,0 +1,47 @@
+"""mmaccel.longctx: KV-cache methods built as transformers ``Cache`` objects handed to ``generate``.
+
+>>> method = build_method("snapkv:budget=256:window=32")
+>>> out = model.generate(**inputs, past_key_values=method.make_cache(model))
+
+``METHODS`` is the registry the CLI and the app list; adding a method is one file and one line here.
+"""
+from __future__ import annotations
+
+from ..specs import build_from_registry
+from .base import EvictingLayer, KVMethod, KVMethodCache, kv_cache_bytes
+from .full import FullAttention
+from .snapkv import SnapKV, snapkv_keep_indices
+from .streaming import SinkWindowLayer, StreamingLLM
+
+METHODS: dict[str, type[KVMethod]] = {
+    "full": FullAttention,
+    "streaming": StreamingLLM,
+    "streamingllm": StreamingLLM,
+    "snapkv": SnapKV,
+}
+
+
+def build_method(spec: str) -> KVMethod:
+    """Build a KV-cache method from a spec such as ``"snapkv:budget=256:window=32"`` or ``"streaming:window=256"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the message lists :data:`METHODS`), an unknown argument, or a bad value.
+    """
+    return build_from_registry(spec, METHODS, "KV-cache method")
+
+
+__all__ = [
+    "METHODS",
+    "build_method",
+    "KVMethod",
+    "KVMethodCache",
+    "EvictingLayer",
+    "SinkWindowLayer",
+    "FullAttention",
+    "StreamingLLM",
+    "SnapKV",
+    "snapkv_keep_indices",
+    "kv_cache_bytes",
+]

@@ -1,0 +1,129 @@
+"""Model cards for the micro-model zoo, rendered from the training log and the committed NIAH summary."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .zoo import ZOO, zoo_path
+
+
+def _fmt_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def niah_table(summary: dict, method: str = "full") -> str:
+    """Markdown table, depths as rows and lengths as columns, of one method's NIAH accuracy from ``summary.json``."""
+    cells = [c for c in summary.get("cells", []) if c.get("method") == method]
+    if not cells:
+        return "(no NIAH results yet)"
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    acc = {(c["length"], c["depth"]): c for c in cells}
+    rows = []
+    for d in depths:
+        row = [f"{d:.2f}"]
+        for L in lengths:
+            c = acc.get((L, d))
+            row.append(f"{100 * c['accuracy']:.0f}% ({c['n']})" if c else "-")
+        rows.append(row)
+    by_len = []
+    for L in lengths:
+        cs = [acc[(L, d)] for d in depths if (L, d) in acc]
+        n = sum(c["n"] for c in cs)
+        by_len.append(f"{100 * sum(c['accuracy'] * c['n'] for c in cs) / max(n, 1):.1f}%")
+    rows.append(["**all depths**"] + by_len)
+    return _fmt_table(["depth \\ length"] + [str(L) for L in lengths], rows)
+
+
+def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
+    """Write ``README.md`` for zoo model ``name`` from ``train_log.json`` and, when present, ``niah/summary.json``.
+
+    Returns
+    -------
+    Path
+        The card's path.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the folder has no ``train_log.json`` (train the model first).
+    """
+    entry = ZOO[name]
+    out = Path(out_dir) if out_dir is not None else zoo_path(name)
+    log_path = out / "train_log.json"
+    if not log_path.exists():
+        raise FileNotFoundError(f"no training log at {log_path}; run `mmaccel zoo train {name}` first")
+    log = json.loads(log_path.read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    weights = out / "model.safetensors"
+    recipe = log["recipe"]
+    phases = _fmt_table(
+        ["phase", "steps", "document tokens", "batch"],
+        [[i, p["steps"], f"{p['min_len']}-{p['max_len']}", p["batch_size"]] for i, p in enumerate(recipe["phases"])],
+    )
+    hist = log.get("history", [])
+    keep = hist[:: max(len(hist) // 16, 1)] + ([hist[-1]] if hist else [])
+    seen, curve_rows = set(), []
+    for h in keep:
+        if h["step"] in seen:
+            continue
+        seen.add(h["step"])
+        curve_rows.append(
+            [h["step"], h["phase"], f"{h['loss']:.3f}", f"{h['answer_loss']:.3f}", f"{h['answer_acc']:.2f}",
+             f"{h['tokens_per_s']:.0f}", f"{h['elapsed_s'] / 60:.1f}"]
+        )
+    curve = _fmt_table(
+        ["step", "phase", "loss", "answer loss", "answer exact (train batch)", "tokens/s", "minutes"], curve_rows
+    )
+    niah_dir = out / "niah"
+    niah_md = "(not evaluated yet: `mmaccel niah --model {name} --out assets/models/{name}/niah`)".format(name=name)
+    if (niah_dir / "summary.json").exists():
+        summary = json.loads((niah_dir / "summary.json").read_text())
+        niah_md = niah_table(summary) + "\n\n" + f"Command: `{summary.get('command', '')}`"
+        if (niah_dir / "extra_summary.json").exists():
+            extra = json.loads((niah_dir / "extra_summary.json").read_text())
+            niah_md += "\n\nBeyond the grid:\n\n" + niah_table(extra) + f"\n\nCommand: `{extra.get('command', '')}`"
+    arch = (
+        f"`{cfg['architectures'][0]}`: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"{cfg['num_attention_heads']} query heads / {cfg['num_key_value_heads']} KV heads (GQA), intermediate "
+        f"{cfg['intermediate_size']}, RoPE base {cfg.get('rope_parameters', {}).get('rope_theta', cfg.get('rope_theta'))}, "
+        f"vocab {cfg['vocab_size']} (byte-level BPE, single digits), tied embeddings"
+    )
+    text = f"""# {name}
+
+{entry.description}. Part of the mmaccel micro-model zoo: trained from scratch, offline, by mmaccel's own script.
+It exists to make quality trade-offs of efficiency methods real and measurable without downloading weights.
+It is not a useful language model for anything else.
+
+- Architecture: {arch}.
+- Parameters: {log['parameters']:,}; weights {weights.stat().st_size / 1e6:.1f} MB (safetensors, fp32).
+- Command: `{log['command']}` (reproduces this folder; `--device cuda` trains the same recipe faster).
+- Hardware: {log['device']} ({log['hardware']}), {log['threads']} threads; Python {log['python']}, torch {log['torch']}.
+- Steps: {log['steps']}; tokens seen: {log['tokens']:,}; wall time: {log['wall_time_s'] / 60:.1f} min.
+- Final training loss: {log['final_loss']:.3f} (all tokens, answer tokens weighted {recipe['answer_weight']}); final answer-token loss: {log['final_answer_loss']:.3f}.
+
+## Data
+Documents are generated at training time by `mmaccel.models.train.NeedleDocuments`: real English prose from the
+docstrings of the running Python's standard library (parsed with `ast`, 90% training split by a stable hash; the other
+10% is the NIAH haystack), with 1..{recipe['max_needles']} planted facts "The secret number of the KEY is NNNNN." with
+distinct keys, and at the end the question "What is the secret number of the KEY? The secret number of the KEY is"
+followed by the answer digits and `</s>`. No third-party text is committed.
+
+## Recipe
+AdamW lr {recipe['lr']}, betas {tuple(recipe['betas'])}, weight decay {recipe['weight_decay']}, {recipe['warmup_steps']} warm-up steps then
+cosine decay to {recipe['min_lr_ratio']}x, gradient clip {recipe['grad_clip']}, answer-token loss weight {recipe['answer_weight']}, seed {recipe['seed']}.
+Length curriculum:
+
+{phases}
+
+## Training curve
+{curve}
+
+## Needle-in-a-haystack (greedy, full attention, exact match)
+{niah_md}
+"""
+    card = out / "README.md"
+    card.write_text(text)
+    return card

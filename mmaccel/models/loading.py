@@ -1,0 +1,179 @@
+"""Load a model and its tokenizer/processor: zoo names, local HF checkpoints, hub ids."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .zoo import ZOO, zoo_path
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message names the fix."""
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for but no CUDA GPU is available; pass device='cpu'")
+    return device
+
+
+def _resolve_dtype(dtype, device: str):
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if isinstance(dtype, str):
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        except KeyError:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16") from None
+    return dtype
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """Turn a zoo name, a local directory or a hub id into what ``from_pretrained`` takes.
+
+    Raises
+    ------
+    ModelLoadError
+        A zoo model whose weights are missing (names the train command), a path that does not exist, a local
+        directory without ``config.json``, or a string that is neither a path nor a hub id.
+    """
+    name = str(name_or_path)
+    if name in ZOO:
+        path = zoo_path(name)
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"zoo model {name!r} has no weights at {path}; run `mmaccel zoo train {name}`")
+        return str(path)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory (no config.json in it)")
+        return str(path)
+    if _looks_like_hub_id(name):
+        return name
+    raise ModelLoadError(
+        f"unknown model {name!r}: not a zoo model ({', '.join(ZOO)}), not an existing local directory, "
+        "and not a hub id of the form 'org/name'"
+    )
+
+
+def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None):
+    """Load a causal LM (or vision-language model) and its tokenizer or processor.
+
+    Parameters
+    ----------
+    name_or_path : str or path
+        A zoo name (``micro-lm``, ``micro-draft``; see ``mmaccel zoo list``), a local HF checkpoint directory, or a
+        hub id (``org/name``; needs network access and no ``HF_HUB_OFFLINE``).
+    device : str
+        ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:N]"``.
+    dtype : torch.dtype or str, optional
+        Default: bfloat16 on CUDA, float32 on CPU.
+    attn_implementation : str, optional
+        ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"`` or ``"mmaccel"``.
+
+    Returns
+    -------
+    (model, tokenizer)
+        The model in eval mode on ``device``; the tokenizer, or the processor for multimodal checkpoints.
+
+    Raises
+    ------
+    ModelLoadError
+        A missing path, a checkpoint whose architecture transformers cannot load as a causal LM or VLM
+        (unsupported architecture), or a hub id while offline (the message says to pass a local path).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_path(name_or_path)
+    is_local = Path(source).exists()
+    if not is_local and _offline():
+        raise ModelLoadError(
+            f"{source!r} looks like a hub id, but the hub is offline (HF_HUB_OFFLINE is set or there is no network): "
+            "download the checkpoint elsewhere and pass its local directory instead"
+        )
+    device = _resolve_device(device)
+    torch_dtype = _resolve_dtype(dtype, device)
+    if attn_implementation == "mmaccel":
+        from ..kernels.hf import register_attention
+
+        register_attention()
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        if is_local:
+            raise ModelLoadError(f"cannot read the config in {source}: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot reach the hub for {source!r} ({type(exc).__name__}); pass a local checkpoint directory instead"
+        ) from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"unsupported architecture in {source}: {exc}") from exc
+    kwargs = {"dtype": torch_dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = None
+    errors = []
+    for auto in _auto_classes():
+        try:
+            model = auto.from_pretrained(source, config=config, **kwargs)
+            break
+        except ValueError as exc:  # "Unrecognized configuration class ..." for this auto class
+            errors.append(str(exc).splitlines()[0])
+    if model is None:
+        archs = getattr(config, "architectures", None) or [type(config).__name__]
+        raise ModelLoadError(
+            f"unsupported architecture {archs} (model_type {config.model_type!r}) in {source}: mmaccel loads causal "
+            f"LMs and image-text-to-text models ({'; '.join(errors)})"
+        )
+    model.to(device).eval()
+    tokenizer = _load_tokenizer(source, AutoTokenizer)
+    return model, tokenizer
+
+
+def _auto_classes():
+    from transformers import AutoModelForCausalLM
+
+    classes = [AutoModelForCausalLM]
+    try:
+        from transformers import AutoModelForImageTextToText
+
+        classes.append(AutoModelForImageTextToText)
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    return classes
+
+
+def _load_tokenizer(source: str, auto_tokenizer):
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(source)
+        if not _is_plain_tokenizer(processor):
+            return processor
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        logger.debug("no processor in %s (%s); loading a tokenizer", source, exc)
+    return auto_tokenizer.from_pretrained(source)
+
+
+def _is_plain_tokenizer(obj) -> bool:
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(obj, PreTrainedTokenizerBase)

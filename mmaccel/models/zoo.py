@@ -1,0 +1,158 @@
+"""The micro-model zoo: small models of real HF classes, trained from scratch offline by `mmaccel zoo train`.
+
+Each entry names its architecture (a ``transformers`` config) and its training recipe. The trained weights are
+committed under ``assets/models/NAME/`` and load through the same code path as a user's checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One curriculum phase: ``steps`` optimizer steps on documents of ``min_len``..``max_len`` tokens."""
+
+    steps: int
+    min_len: int
+    max_len: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training recipe for a micro causal LM on needle documents.
+
+    Attributes
+    ----------
+    phases : tuple of Phase
+        The length curriculum, in order.
+    lr : float
+        Peak AdamW learning rate, reached after ``warmup_steps`` and decayed by a cosine to ``lr * min_lr_ratio``.
+    answer_weight : float
+        Loss weight of the answer tokens (the needle value) relative to prose tokens.
+    max_needles : int
+        Each document holds 1..max_needles facts with distinct keys; the question asks for one of them.
+    """
+
+    phases: tuple
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.1
+    warmup_steps: int = 200
+    min_lr_ratio: float = 0.1
+    answer_weight: float = 2.0
+    max_needles: int = 2
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One zoo model: its HF architecture and how it is trained."""
+
+    name: str
+    description: str
+    model_config: dict
+    recipe: Recipe
+    vocab_size: int = 2048
+    tokenizer_from: str | None = None  # reuse another zoo model's tokenizer (drafts must share it)
+    extra: dict = field(default_factory=dict)
+
+
+_LLAMA_COMMON = dict(
+    model_type="llama",
+    vocab_size=2048,
+    rope_theta=1e5,
+    max_position_embeddings=16384,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    attention_bias=False,
+    rms_norm_eps=1e-5,
+)
+
+ZOO: dict[str, ZooEntry] = {
+    "micro-lm": ZooEntry(
+        name="micro-lm",
+        description="LlamaForCausalLM with GQA and RoPE, trained on long stdlib-docstring documents with planted facts",
+        model_config=dict(
+            _LLAMA_COMMON,
+            hidden_size=192,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+        ),
+        recipe=Recipe(
+            phases=(
+                Phase(steps=1000, min_len=96, max_len=160, batch_size=16),
+                Phase(steps=500, min_len=128, max_len=256, batch_size=16),
+                Phase(steps=400, min_len=256, max_len=512, batch_size=16),
+                Phase(steps=250, min_len=512, max_len=1024, batch_size=8),
+                Phase(steps=300, min_len=1024, max_len=2048, batch_size=4),
+                Phase(steps=250, min_len=2048, max_len=4096, batch_size=2),
+            ),
+        ),
+    ),
+    "micro-draft": ZooEntry(
+        name="micro-draft",
+        description="A smaller Llama sharing micro-lm's tokenizer, the draft model for speculative decoding",
+        model_config=dict(
+            _LLAMA_COMMON,
+            hidden_size=96,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        recipe=Recipe(
+            phases=(
+                Phase(steps=800, min_len=96, max_len=160, batch_size=16),
+                Phase(steps=400, min_len=128, max_len=512, batch_size=8),
+            ),
+        ),
+        tokenizer_from="micro-lm",
+    ),
+}
+
+
+def assets_dir() -> Path:
+    """The repository's ``assets/models`` folder (the zoo's home)."""
+    return Path(__file__).resolve().parents[2] / "assets" / "models"
+
+
+def zoo_path(name: str) -> Path:
+    """Folder of a zoo model's committed weights, ``assets/models/NAME``.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not a zoo model (the message lists the zoo).
+    """
+    if name not in ZOO:
+        raise ValueError(f"unknown zoo model {name!r}; the zoo has: {', '.join(ZOO)}")
+    return assets_dir() / name
+
+
+def list_models() -> list[dict]:
+    """One row per zoo model: name, description, whether its weights are present, parameter count, size (bytes)."""
+    rows = []
+    for name, entry in ZOO.items():
+        path = assets_dir() / name
+        weights = path / "model.safetensors"
+        rows.append(
+            {
+                "name": name,
+                "description": entry.description,
+                "trained": weights.exists(),
+                "size_bytes": weights.stat().st_size if weights.exists() else 0,
+                "path": str(path),
+            }
+        )
+    return rows

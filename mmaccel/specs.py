@@ -1,0 +1,93 @@
+"""Method specs: the one syntax every CLI command, eval and app uses to name a method.
+
+A spec is ``name`` or ``name:key=value:key=value``, e.g. ``snapkv:budget=256:window=32``.
+Values are parsed as int, then float, then ``true``/``false``, else kept as strings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method spec.
+
+    Attributes
+    ----------
+    name : str
+        Registry name, lower case (``"snapkv"``).
+    kwargs : dict
+        Keyword arguments for the method's constructor.
+    text : str
+        The spec as the user wrote it; used as the label in tables and files.
+    """
+
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    text: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.text or self.name
+
+
+def _parse_value(raw: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    return raw
+
+
+def parse_method_spec(spec: str | MethodSpec) -> MethodSpec:
+    """Parse ``name[:key=value...]`` into a :class:`MethodSpec`.
+
+    Raises
+    ------
+    ValueError
+        If the spec is empty or a ``key=value`` part is malformed; the message shows the expected syntax.
+    """
+    if isinstance(spec, MethodSpec):
+        return spec
+    text = str(spec).strip()
+    if not text:
+        raise ValueError("empty method spec; expected 'name' or 'name:key=value:key=value', e.g. 'snapkv:budget=256'")
+    name, *parts = text.split(":")
+    kwargs: dict[str, Any] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"bad method spec {text!r}: part {part!r} is not key=value; "
+                "expected 'name:key=value:key=value', e.g. 'snapkv:budget=256'"
+            )
+        kwargs[key.strip()] = _parse_value(raw.strip())
+    return MethodSpec(name=name.strip().lower(), kwargs=kwargs, text=text)
+
+
+def build_from_registry(spec: str | MethodSpec, registry: Mapping[str, type], kind: str = "method"):
+    """Instantiate ``registry[spec.name](**spec.kwargs)``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the message lists the registry) or arguments the method does not take.
+    """
+    parsed = parse_method_spec(spec)
+    if parsed.name not in registry:
+        raise ValueError(
+            f"unknown {kind} {parsed.name!r}; choose one of: {', '.join(sorted(registry))} "
+            "(syntax: name:key=value, e.g. snapkv:budget=256)"
+        )
+    cls = registry[parsed.name]
+    try:
+        return cls(**parsed.kwargs)
+    except TypeError as exc:
+        raise ValueError(f"bad arguments for {kind} {parsed.name!r} in {parsed.text!r}: {exc}") from exc

@@ -1,0 +1,4 @@
+"""mmaccel.speculative: planned module (see the issue tracker). Its registry is empty for now."""
+
+METHODS: dict = {}
+

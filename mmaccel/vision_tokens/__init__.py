@@ -1,0 +1,4 @@
+"""mmaccel.vision_tokens: planned module (see the issue tracker). Its registry is empty for now."""
+
+METHODS: dict = {}
+

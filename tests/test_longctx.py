@@ -1,0 +1,287 @@
+"""mmaccel.longctx: StreamingLLM and SnapKV as transformers caches, on a tiny random Llama."""
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from mmaccel.longctx import (
+    METHODS,
+    FullAttention,
+    KVMethodCache,
+    SnapKV,
+    StreamingLLM,
+    build_method,
+    kv_cache_bytes,
+    snapkv_keep_indices,
+)
+
+LAYERS, HQ, HKV, HEAD_DIM = 2, 4, 2, 16
+
+
+def _tiny_llama(attn: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=HQ * HEAD_DIM,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HQ,
+        num_key_value_heads=HKV,
+        vocab_size=128,
+        max_position_embeddings=512,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return _tiny_llama("eager")
+
+
+@pytest.fixture(scope="module")
+def sdpa():
+    return _tiny_llama("sdpa")
+
+
+def _prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _bytes(tokens: int, batch: int = 1) -> int:
+    """Bytes of K and V of all layers for `tokens` held slots, float32."""
+    return LAYERS * 2 * batch * HKV * tokens * HEAD_DIM * 4
+
+
+# ------------------------------------------------------------------------------------------------ registry / errors
+def test_registry_builds_each_method_from_its_spec():
+    assert {"full", "streaming", "snapkv"} <= set(METHODS)
+    snap = build_method("snapkv:budget=256:window=32")
+    assert isinstance(snap, SnapKV) and (snap.budget, snap.window, snap.kernel_size) == (256, 32, 7)
+    stream = build_method("streamingllm:window=64:sink=2")
+    assert isinstance(stream, StreamingLLM) and (stream.window, stream.sink) == (64, 2)
+    assert isinstance(build_method("full"), FullAttention)
+    assert snap.name == "snapkv" and build_method(snap.spec) == snap
+    assert build_method(stream.spec) == stream
+
+
+def test_unknown_method_name_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"unknown KV-cache method 'h2o'.*snapkv.*streaming"):
+        build_method("h2o:budget=64")
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("snapkv:budget=0", "budget"),
+        ("snapkv:budget=-8", "budget"),
+        ("snapkv:budget=16:window=0", "window"),
+        ("snapkv:budget=16:window=32", "window .32. must be <= budget .16."),
+        ("snapkv:kernel_size=4", "kernel_size must be odd"),
+        ("snapkv:pooling=median", "pooling"),
+        ("streaming:window=0", "window"),
+        ("streaming:sink=-1", "sink"),
+        ("streaming:window=2.5", "window"),
+        ("snapkv:budgt=64", "budgt"),
+    ],
+)
+def test_bad_arguments_name_the_fix(spec, field):
+    with pytest.raises(ValueError, match=field):
+        build_method(spec)
+
+
+# ---------------------------------------------------------------------------------------------------- byte account
+def test_kv_cache_bytes_counts_held_tensors(eager):
+    cache = DynamicCache(config=eager.config)
+    assert kv_cache_bytes(cache) == 0
+    eager(_prompt(10), past_key_values=cache, use_cache=True)
+    assert kv_cache_bytes(cache) == _bytes(10)
+
+
+# ------------------------------------------------------------------------------------------------------- streaming
+def _manual_run(model, cache, ids: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
+    """Prefill ids[:, :prompt_len], then feed the rest one token at a time, *without* position_ids."""
+    logits = [model(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(prompt_len, ids.shape[1]):
+        logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return logits
+
+
+def test_streaming_keeps_sinks_and_recent_window_at_true_positions(eager):
+    ids = _prompt(15)
+    method = StreamingLLM(window=5, sink=2)
+    cache = method.make_cache(eager)
+    eager(ids[:, :12], past_key_values=cache, use_cache=True)
+    for layer in cache.layers:  # hand-computed: sinks 0, 1 and the 5 most recent of 12
+        assert layer.positions.tolist() == [[[0, 1, 7, 8, 9, 10, 11]] * HKV]
+    full = DynamicCache(config=eager.config)
+    _manual_run(eager, full, ids, 12)
+    cache = method.make_cache(eager)
+    _manual_run(eager, cache, ids, 12)
+    kept = [0, 1, 10, 11, 12, 13, 14]
+    assert cache.get_seq_length() == 15
+    assert cache.layers[0].positions[0, 0].tolist() == kept
+    # Layer-0 keys depend only on the token and its RoPE position: equal to the full cache's at the kept positions,
+    # so the decode tokens (fed without position_ids) were rotated with their true positions.
+    torch.testing.assert_close(cache.layers[0].keys, full.layers[0].keys[:, :, kept], rtol=0, atol=0)
+    assert kv_cache_bytes(cache) == _bytes(7)
+
+
+def test_streaming_decode_equals_masked_full_attention(eager):
+    """Each decode token attends to the sinks and the `window` previous tokens: same logits as a full forward with
+    that attention pattern written as an explicit 4-D mask (prompt rows fully causal, as prefill attends fully)."""
+    sink, window, prompt_len, total = 2, 5, 12, 16
+    ids = _prompt(total, seed=3)
+    logits = _manual_run(eager, StreamingLLM(window=window, sink=sink).make_cache(eager), ids, prompt_len)
+
+    allowed = torch.ones(total, total).tril().bool()
+    for p in range(prompt_len, total):
+        allowed[p] = False
+        allowed[p, :sink] = True
+        allowed[p, p - window : p + 1] = True
+    mask = torch.zeros(1, 1, total, total).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref = eager(ids, attention_mask=mask).logits[0]
+    got = torch.cat(logits)
+    torch.testing.assert_close(got, ref[prompt_len - 1 :], rtol=1e-4, atol=1e-5)
+    # ...and the eviction really changes the result compared with full attention.
+    assert not torch.allclose(got[-1], eager(ids).logits[0, -1], atol=1e-3)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_streaming_chunk_after_eviction_is_causal_within_the_chunk(attn, eager, sdpa):
+    """A multi-token forward after an eviction (a second turn): get_mask_sizes must offset the causal mask so the
+    chunk sees every held slot and only the earlier tokens of its own chunk."""
+    model = eager if attn == "eager" else sdpa
+    ids = _prompt(15, seed=4)
+    cache = StreamingLLM(window=5, sink=2).make_cache(model)
+    model(ids[:, :12], past_key_values=cache, use_cache=True)
+    got = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits[0]
+    allowed = torch.ones(15, 15).tril().bool()
+    allowed[12:, 2:7] = False  # positions 2..6 were evicted after the prefill
+    mask = torch.zeros(1, 1, 15, 15).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref = eager(ids, attention_mask=mask).logits[0, 12:]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert cache.layers[0].positions[0, 0].tolist() == [0, 1, 10, 11, 12, 13, 14]
+
+
+def test_generate_passes_true_positions_after_eviction(sdpa):
+    seen = []
+    handle = sdpa.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs["position_ids"][0].tolist()), with_kwargs=True
+    )
+    try:
+        method = build_method("streaming:window=4:sink=1")
+        cache = method.make_cache(sdpa)
+        sdpa.generate(_prompt(20), past_key_values=cache, max_new_tokens=6, do_sample=False)
+    finally:
+        handle.remove()
+    assert seen == [list(range(20)), [20], [21], [22], [23], [24]]
+    assert cache.get_seq_length() == 25
+    assert cache.layers[1].positions[0, 1].tolist() == [0, 21, 22, 23, 24]
+    tel = method.telemetry(cache)
+    assert json.loads(json.dumps(tel)) == tel
+    assert tel["kept_tokens_per_layer"] == [5, 5] and tel["evicted_tokens"] == 2 * 20
+    assert tel["kv_cache_bytes"] == _bytes(5) == kv_cache_bytes(cache)
+
+
+# ---------------------------------------------------------------------------------------------------------- snapkv
+def test_snapkv_selection_hand_computed():
+    scores = torch.tensor(
+        [
+            [
+                [0, 5, 0, 1, 0, 0, 9, 9],  # query heads 0, 1 -> KV head 0
+                [0, 3, 0, 1, 4, 0, 9, 9],
+                [6, 0, 0, 0, 0, 2, 9, 9],  # query heads 2, 3 -> KV head 1
+                [2, 0, 1, 0, 0, 0, 9, 9],
+            ]
+        ],
+        dtype=torch.float32,
+    )
+    kw = dict(budget=5, window=2, num_kv_heads=2)
+    # no pooling: KV head 0 means [0, 4, 0, 1, 2, 0] -> top 3 = {1, 4, 3}; KV head 1 [4, 0, .5, 0, 0, 1] -> {0, 5, 2}
+    idx = snapkv_keep_indices(scores, kernel_size=1, **kw)
+    assert idx.tolist() == [[[1, 3, 4, 6, 7], [0, 2, 5, 6, 7]]]
+    # max-pool k=3 first: head 0 -> [5, 5, 5, 1, 1, 0], head 1 -> [3, 3, 3, 4, 4, 4]; mean [4, 4, 4, 2.5, 2.5, 2]
+    idx = snapkv_keep_indices(scores, kernel_size=3, pooling="max", **kw)
+    assert idx[0, 0].tolist() == [0, 1, 2, 6, 7]
+
+
+def test_snapkv_prefill_keeps_what_eager_attention_says(eager):
+    """Kept slots per layer and KV head equal a selection from the model's own eager attention probabilities
+    (output_attentions), which checks the recomputed queries (q_proj, RoPE) and the column scores."""
+    budget, window, length = 12, 4, 40
+    ids = _prompt(length, seed=5)
+    attentions = eager(ids, output_attentions=True).attentions
+    cache = SnapKV(budget=budget, window=window).make_cache(eager)
+    full = DynamicCache(config=eager.config)
+    eager(ids, past_key_values=full, use_cache=True)
+    eager(ids, past_key_values=cache, use_cache=True)
+    for layer_idx, layer in enumerate(cache.layers):
+        column = attentions[layer_idx][:, :, -window:, :].float().sum(dim=2)  # [B, Hq, L]
+        ref = snapkv_keep_indices(column, budget=budget, window=window, num_kv_heads=HKV)
+        assert torch.equal(layer.positions, ref)
+        assert layer.positions[0, :, -window:].tolist() == [list(range(length - window, length))] * HKV
+        assert not torch.equal(layer.positions[0, 0], layer.positions[0, 1])  # per KV head
+        gather = ref.unsqueeze(-1).expand(-1, -1, -1, HEAD_DIM)
+        torch.testing.assert_close(layer.keys, full.layers[layer_idx].keys.gather(2, gather), rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, full.layers[layer_idx].values.gather(2, gather), rtol=0, atol=0)
+    assert kv_cache_bytes(cache) == _bytes(budget)
+    assert cache.get_seq_length() == length
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_snapkv_budget_at_least_prompt_is_token_identical(attn, eager, sdpa):
+    model = eager if attn == "eager" else sdpa
+    ids = _prompt(30, seed=7)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    for budget in (30, 64):
+        cache = build_method(f"snapkv:budget={budget}:window=8").make_cache(model)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, plain)
+        assert kv_cache_bytes(cache) == _bytes(30 + 11)
+
+
+def test_snapkv_generate_compresses_once_then_appends_and_removes_hooks(sdpa):
+    method = build_method("snapkv:budget=8:window=2:kernel_size=3")
+    cache = method.make_cache(sdpa)
+    attn = [layer.self_attn for layer in sdpa.model.layers]
+    assert all(len(m._forward_hooks) == 1 for m in attn) and cache.hooks_attached == LAYERS
+    sdpa.generate(_prompt(24, seed=9), past_key_values=cache, max_new_tokens=5, do_sample=False)
+    assert all(len(m._forward_hooks) == 0 for m in attn) and cache.hooks_attached == 0
+    for layer in cache.layers:  # 8 prompt slots (last 2 = window), then the 4 decode tokens appended
+        assert layer.positions.shape == (1, HKV, 12)
+        assert layer.positions[0, :, -6:].tolist() == [[22, 23, 24, 25, 26, 27]] * HKV
+    assert kv_cache_bytes(cache) == _bytes(12)
+    assert method.telemetry(cache)["evicted_tokens"] == LAYERS * (28 - 12)
+
+
+def test_unused_snapkv_cache_detaches_on_close(sdpa):
+    attn = sdpa.model.layers[0].self_attn
+    with SnapKV(budget=8, window=2).make_cache(sdpa) as cache:
+        assert isinstance(cache, KVMethodCache) and len(attn._forward_hooks) == 1
+        # a run with another cache does not trigger (nor consume) this cache's hooks
+        sdpa(_prompt(12), past_key_values=DynamicCache(config=sdpa.config), use_cache=True)
+        assert cache.hooks_attached == LAYERS and cache.get_seq_length() == 0
+    assert len(attn._forward_hooks) == 0
+
+
+def test_snapkv_batch_rows_are_compressed_independently(sdpa):
+    ids = _prompt(24, seed=11, batch=2)
+    cache = SnapKV(budget=8, window=2).make_cache(sdpa)
+    sdpa(ids, past_key_values=cache, use_cache=True)
+    for row in range(2):
+        single = SnapKV(budget=8, window=2).make_cache(sdpa)
+        sdpa(ids[row : row + 1], past_key_values=single, use_cache=True)
+        for layer, ref in zip(cache.layers, single.layers):
+            assert torch.equal(layer.positions[row], ref.positions[0])
+            torch.testing.assert_close(layer.keys[row], ref.keys[0])
+
+
+def test_snapkv_refuses_padded_batch(sdpa):
+    ids = _prompt(24, seed=13, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = SnapKV(budget=8, window=2).make_cache(sdpa)
+    with pytest.raises(ValueError, match="padded batch"):
+        sdpa(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    cache.close()
