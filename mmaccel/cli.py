@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_model(args):
     from .models import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype,
+                            attn_implementation=args.attn_implementation)
+    # a multimodal checkpoint comes with a processor; the text tasks need its tokenizer
+    return model, getattr(tokenizer, "tokenizer", None) or tokenizer
 
 
 def _templates(args) -> dict:
@@ -161,19 +164,23 @@ def _templates(args) -> dict:
     }
 
 
-def _check_haystack(path) -> None:
-    if path is not None and not Path(path).expanduser().is_file():
-        raise FileNotFoundError(f"haystack file {path!r} does not exist; pass a text file with --haystack")
+def _check_inputs(args) -> dict:
+    """Check templates and the haystack file before the (slow) model load; returns the templates."""
+    from .eval.niah import check_haystack_file, check_templates
+
+    templates = _templates(args)
+    check_templates(**templates)
+    if args.haystack is not None:
+        check_haystack_file(args.haystack)
+    return templates
 
 
 def cmd_compare(args) -> int:
     """``mmaccel compare``: one NIAH document, every method, a table on stdout and ``compare.json``."""
     from .eval.compare import compare
-    from .eval.niah import build_samples, check_templates
+    from .eval.niah import build_samples
 
-    templates = _templates(args)
-    check_templates(**templates)
-    _check_haystack(args.haystack)
+    templates = _check_inputs(args)
     model, tokenizer = _load_model(args)
     ((_, sample),) = build_samples(
         tokenizer, [args.length], [args.depth], 1, seed=args.seed, haystack=args.haystack, **templates
@@ -193,11 +200,9 @@ def cmd_compare(args) -> int:
 
 def cmd_niah(args) -> int:
     """``mmaccel niah``: a length x depth sweep written to ``--out``."""
-    from .eval.niah import check_templates, run_niah
+    from .eval.niah import run_niah
 
-    templates = _templates(args)
-    check_templates(**templates)
-    _check_haystack(args.haystack)
+    templates = _check_inputs(args)
     model, tokenizer = _load_model(args)
     result = run_niah(
         model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
@@ -251,7 +256,10 @@ def cmd_kernel_bench(args) -> int:
         from .kernels import bench
     except ImportError as exc:
         raise CLIError(f"kernel benchmarks are not available: {exc}") from exc
-    rc = bench.main(list(args.bench_args))
+    try:
+        rc = bench.main(list(args.bench_args))
+    except SystemExit as exc:  # its own --help or usage error
+        rc = exc.code
     return int(rc or 0)
 
 
@@ -267,23 +275,25 @@ def main(argv: list[str] | None = None) -> int:
     Returns
     -------
     int
-        Exit status: 0 on success, 2 for a usage or configuration error (one ``error: ...`` line on stderr).
+        Exit status: 0 on success (also after ``--help``/``--version``), 2 for a usage or configuration error (one
+        ``error: ...`` line on stderr). ``main`` returns rather than exiting; ``python -m mmaccel`` exits with it.
     """
-    from .models.loading import ModelLoadError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # argparse.REMAINDER after a subcommand does not capture leading options: split kernel-bench off ourselves.
-    if "kernel-bench" in argv:
-        i = argv.index("kernel-bench")
-        args = parser.parse_args(argv[: i + 1])
-        args.bench_args = argv[i + 1:]
-    else:
-        args = parser.parse_args(argv)
+    try:
+        if "kernel-bench" in argv:
+            i = argv.index("kernel-bench")
+            args = parser.parse_args(argv[: i + 1])
+            args.bench_args = argv[i + 1:]
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: return the status instead of exiting
+        return int(exc.code or 0)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (CLIError, ModelLoadError, ValueError, FileNotFoundError) as exc:
+    except (CLIError, ValueError, FileNotFoundError) as exc:  # ModelLoadError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

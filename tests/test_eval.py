@@ -5,14 +5,16 @@ test checks that the committed micro-lm answers at 512 tokens.
 """
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mmaccel.eval import Comparison, NIAHSample, RunRecord, compare, generate_measured, make_niah_sample, run_niah
-from mmaccel.eval.haystack import stdlib_paragraphs
-from mmaccel.eval.niah import summarize
+from mmaccel.eval.haystack import score_answer, stdlib_paragraphs
+from mmaccel.eval.memory import PeakMemory
+from mmaccel.eval.niah import build_samples, summarize
 from mmaccel.longctx import FullAttention
 from mmaccel.models.tokenizer import train_bpe_tokenizer
 
@@ -127,6 +129,14 @@ def test_configuration_errors_raise_up_front(tiny, kwargs, match):
         generate_measured(model, tok, [1, 5, 6], **kwargs)
 
 
+def test_peak_memory_sees_a_64_mib_allocation_on_the_cpu():
+    with PeakMemory(torch.device("cpu")) as mem:
+        block = torch.ones(16 * 1024 * 1024)  # 64 MiB of float32, held until the end
+    assert mem.method == "rss_delta_sampled"
+    assert 60 * 2**20 <= mem.peak <= 256 * 2**20
+    del block
+
+
 def test_bad_prompts_raise(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="empty"):
@@ -163,8 +173,7 @@ def test_run_niah_writes_records_summary_and_heatmaps(tiny, tmp_path):
                        r["extra"]["answer"], r["prompt_tokens"]) for r in rows if r["method"] == m] for m in methods}
     assert per_method["full"] == per_method["streaming:window=32"]
     assert all(r["prompt_tokens"] == r["extra"]["length"] for r in rows)
-    assert all(r["extra"]["correct"] == (r["extra"]["answer"] in r["output_text"][:5]) or not r["extra"]["correct"]
-               for r in rows)
+    assert all(r["extra"]["correct"] == score_answer(r["output_text"], r["extra"]["answer"]) for r in rows)
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == json.loads(json.dumps(res.summary))
@@ -192,8 +201,8 @@ def test_run_niah_is_deterministic_and_survives_a_failing_method(tiny, tmp_path)
     assert [r["output_ids"] for r in a.records] == [r["output_ids"] for r in b.records if r["method"] == "full"]
     failed = [r for r in b.records if r["method"] == "exploding"]
     assert len(failed) == 2 and all(r["status"] == "failed" and not r["extra"]["correct"] for r in failed)
-    assert b.summary["methods"]["exploding"] == {**b.summary["methods"]["exploding"], "accuracy": None, "n": 0,
-                                                 "failed": 2}
+    bad = b.summary["methods"]["exploding"]
+    assert (bad["accuracy"], bad["n"], bad["failed"]) == (None, 0, 2)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
 
 
@@ -233,13 +242,19 @@ def test_run_niah_with_haystack_file_and_templates(tiny, tmp_path):
     model, tok = tiny
     hay = tmp_path / "hay.txt"
     hay.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    templates = dict(needle_template="Remember: the code for {key} is {value}.",
+                     question_template="What is the code for {key}? The code for {key} is")
+    ((_, sample),) = build_samples(tok, [128], [0.5], 1, haystack=str(hay), **templates)
+    prompt = tok.decode(sample.input_ids)
+    assert "quick brown fox" in prompt and f"Remember: the code for {sample.key} is {sample.answer}." in prompt
+    assert "secret number" not in prompt
     res = run_niah(model, tok, ["full"], [128], [0.5], 1, haystack=str(hay), max_new_tokens=2, warmup=0,
-                   needle_template="Remember: the code for {key} is {value}.",
-                   question_template="What is the code for {key}? The code for {key} is", progress=False)
+                   progress=False, **templates)
     rec = res.records[0]
-    prompt = tok.decode(make_niah_sample(tok, 128, 0.5, seed=0, haystack=None).input_ids)
-    assert rec["status"] == "ok" and "Remember: the code" not in prompt  # default template differs
+    assert rec["status"] == "ok" and rec["prompt_tokens"] == 128
+    assert (rec["extra"]["key"], rec["extra"]["answer"]) == (sample.key, sample.answer)
     assert res.summary["config"]["haystack"] == str(hay)
+    assert res.summary["config"]["needle_template"] == templates["needle_template"]
 
 
 # --------------------------------------------------------------------------------------------------------- compare
@@ -264,7 +279,7 @@ def test_compare_table_and_json(tiny):
 
     data = json.loads(result.to_json())
     assert data["answer"] == sample.answer and data["inputs"]["prompt_tokens"] == 192
-    assert [r["kv_ratio_vs_full"] for r in data["records"]][0] == 1.0
+    assert data["records"][0]["kv_ratio_vs_full"] == 1.0
     assert len({frozenset(r) for r in data["records"]}) == 1  # the same fields for every method
 
 
@@ -302,8 +317,10 @@ def test_top_level_compare_forwards(tiny):
 def test_micro_lm_answers_at_512_tokens_with_full_attention():
     from mmaccel.models import list_models, load
 
-    if not next(m for m in list_models() if m["name"] == "micro-lm")["trained"]:
-        pytest.skip("micro-lm weights are not committed yet (run `mmaccel zoo train micro-lm`)")
+    entry = next(m for m in list_models() if m["name"] == "micro-lm")
+    # train_log.json is written when training finishes; before that only a partial (per-phase) checkpoint exists
+    if not entry["trained"] or not (Path(entry["path"]) / "train_log.json").exists():
+        pytest.skip("fully trained micro-lm weights are not there yet (run `mmaccel zoo train micro-lm`)")
     model, tok = load("micro-lm", device="cpu")
     res = run_niah(model, tok, ["full"], [512], [0.25, 0.75], 2, max_new_tokens=8, warmup=0, progress=False)
     assert res.accuracy("full") >= 0.75, [(r["output_text"], r["extra"]["answer"]) for r in res.records]

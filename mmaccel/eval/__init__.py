@@ -10,16 +10,16 @@ from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSa
 from .niah import NIAHResult, run_niah
 
 __all__ = [
-    "RunRecord",
-    "generate_measured",
-    "Comparison",
-    "compare",
-    "NIAHResult",
-    "run_niah",
-    "NIAHSample",
-    "HaystackTokens",
-    "make_niah_sample",
-    "score_answer",
     "NEEDLE_TEMPLATE",
     "QUESTION_TEMPLATE",
+    "Comparison",
+    "HaystackTokens",
+    "NIAHResult",
+    "NIAHSample",
+    "RunRecord",
+    "compare",
+    "generate_measured",
+    "make_niah_sample",
+    "run_niah",
+    "score_answer",
 ]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from .generation import RunRecord, as_input_ids, generate_measured, resolve_methods
 from .haystack import NIAHSample, score_answer

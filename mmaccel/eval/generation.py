@@ -20,17 +20,8 @@ holds the median of ``repeats`` measured runs (each run's numbers are kept in ``
 
 Memory
 ------
-``peak_memory_bytes`` is the peak memory *growth* during one run, above what was allocated when it started:
-
-- CUDA (``peak_memory_method = "cuda_max_memory_allocated"``): ``torch.cuda.max_memory_allocated`` after
-  ``reset_peak_memory_stats``, minus ``memory_allocated`` at the start. Exact for tensors from the caching allocator.
-- CPU on Linux (``"rss_delta_sampled"``): the process's resident set size read from ``/proc/self/statm`` by a
-  background thread every ``RSS_SAMPLE_INTERVAL_S`` seconds (and once at the end), minus the RSS at the start. Before
-  each run the garbage collector runs and glibc's ``malloc_trim(0)`` returns freed heap pages, so memory a previous
-  run freed is not silently reused unseen. Caveats, stated honestly: it is sampled (a peak shorter than the interval
-  can be missed), it counts every allocation of the process (other threads included), and allocator reuse of pages
-  that were never returned can still hide some growth -- read it as an approximate lower bound.
-- Elsewhere (``"unavailable"``): ``None``.
+``peak_memory_bytes`` is the peak memory growth during one run, measured by :class:`mmaccel.eval.memory.PeakMemory`
+(CUDA: ``max_memory_allocated``; CPU: sampled RSS growth -- see that module for what it does and does not see).
 
 ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` are the bytes of K/V tensors the cache really holds after
 prefill (at the first probe call, i.e. after any prefill-time compression) and when ``generate`` returns
@@ -38,24 +29,20 @@ prefill (at the first probe call, i.e. after any prefill-time compression) and w
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import logging
-import os
 import statistics
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-logger = logging.getLogger(__name__)
+from ..longctx import build_method, kv_cache_bytes
+from .memory import PeakMemory
 
-RSS_SAMPLE_INTERVAL_S = 0.002
-"""Sampling interval of the CPU RSS monitor, seconds."""
+logger = logging.getLogger(__name__)
 
 _TIMED_FIELDS = ("ttft_s", "decode_s", "tokens_per_s", "peak_memory_bytes")
 
@@ -148,8 +135,6 @@ def resolve_method(method) -> tuple[Any, str]:
     ValueError
         For an unknown method name or bad arguments (from :func:`mmaccel.longctx.build_method`).
     """
-    from ..longctx import build_method
-
     if method is None:
         return build_method("full"), "full"
     if isinstance(method, str):
@@ -210,6 +195,7 @@ def as_input_ids(inputs, tokenizer=None) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------- probes
 def _sync(device: torch.device) -> None:
+    """Wait for queued CUDA work on ``device`` (no-op elsewhere)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -227,70 +213,9 @@ class _StepProbe(LogitsProcessor):
         if self.steps == 0:
             _sync(self.device)
             self.first_step_time = time.perf_counter()
-            from ..longctx import kv_cache_bytes
-
             self.kv_bytes_prefill = kv_cache_bytes(self.cache)
         self.steps += 1
         return scores
-
-
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _malloc_trim() -> None:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-class _PeakMemory:
-    """Context manager measuring peak memory growth in bytes; see the module docstring for the method."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak: int | None = None
-        if device.type == "cuda":
-            self.method = "cuda_max_memory_allocated"
-        elif _rss_bytes() is not None:
-            self.method = "rss_delta_sampled"
-        else:
-            self.method = "unavailable"
-
-    def __enter__(self) -> "_PeakMemory":
-        gc.collect()
-        if self.method == "cuda_max_memory_allocated":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        elif self.method == "rss_delta_sampled":
-            _malloc_trim()
-            self._start = self._max = _rss_bytes()
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(RSS_SAMPLE_INTERVAL_S):
-            self._max = max(self._max, _rss_bytes() or 0)
-
-    def __exit__(self, *exc) -> None:
-        if self.method == "cuda_max_memory_allocated":
-            torch.cuda.synchronize(self.device)
-            self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
-        elif self.method == "rss_delta_sampled":
-            self._stop.set()
-            self._thread.join()
-            self.peak = int(max(self._max, _rss_bytes() or 0) - self._start)
 
 
 # ------------------------------------------------------------------------------------------------------- running
@@ -315,7 +240,7 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
     cache = method.make_cache(model)
     probe = _StepProbe(cache, device)
     try:
-        with _PeakMemory(device) as mem:
+        with PeakMemory(device) as mem:
             _sync(device)
             t0 = time.perf_counter()
             out = model.generate(
@@ -328,8 +253,6 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
             )
             _sync(device)
             t_end = time.perf_counter()
-        from ..longctx import kv_cache_bytes
-
         new_ids = out[0, input_ids.shape[1]:].tolist()
         first = probe.first_step_time if probe.first_step_time is not None else t_end
         decode_s = t_end - first
@@ -351,7 +274,8 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
             close()  # remove any hooks a failed run left on the model
 
 
-def _median(values: list):
+def median_or_none(values):
+    """Median of the non-``None`` values (an ``int`` when they all are ints); ``None`` if there are none."""
     values = [v for v in values if v is not None]
     if not values:
         return None
@@ -446,7 +370,7 @@ def generate_measured(
     record.output_text = tokenizer.decode(last["new_ids"], skip_special_tokens=True) if tokenizer is not None else ""
     record.samples = [{k: r[k] for k in _TIMED_FIELDS} for r in runs]
     for k in _TIMED_FIELDS:
-        setattr(record, k, _median([r[k] for r in runs]))
+        setattr(record, k, median_or_none([r[k] for r in runs]))
     record.peak_memory_method = last["peak_memory_method"]
     record.kv_cache_bytes_prefill = last["kv_cache_bytes_prefill"]
     record.kv_cache_bytes_final = last["kv_cache_bytes_final"]

@@ -1,7 +1,7 @@
 """Offline prose and planted needles: the text both the micro-model training and NIAH use.
 
 Real prose that every machine has offline is harvested from the docstrings of Python's standard library
-(parsed with :mod:`ast`, never imported). Paragraphs are split deterministically into a training split and a
+(parsed with :mod:`ast`, never imported), with digits removed. Paragraphs are split deterministically into a training split and a
 held-out split (by a stable hash), so NIAH haystacks are prose the micro-models did not see verbatim.
 
 The needle task follows Needle-in-a-Haystack (Kamradt, 2023) and RULER (Hsieh et al., 2024, arXiv 2404.06654):
@@ -71,7 +71,10 @@ def random_needles(rng: random.Random, n: int = 1, digits: int = 5) -> list[Need
 def _clean(doc: str) -> str | None:
     lines = [ln.strip() for ln in doc.splitlines()]
     lines = [ln for ln in lines if ln and not ln.startswith((">>>", "...", "$", "%"))]
-    text = re.sub(r"\s+", " ", " ".join(lines)).strip()
+    # Digits are removed so that, in the generated haystack, the needle's value is the only number: a 2 M-parameter
+    # model then learns retrieval within the CPU training budget (see assets/models/micro-lm/README.md).
+    text = re.sub(r"\d", "", " ".join(lines))
+    text = re.sub(r"\s+", " ", text).strip()
     if len(text) < 80 or not text.isascii():
         return None
     return text

@@ -19,15 +19,15 @@ Output folder
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
-import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from .generation import generate_measured, resolve_methods
+from .generation import generate_measured, median_or_none, resolve_methods
 from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,20 @@ _MEDIAN_FIELDS = {
     "peak_memory_bytes": "peak_memory_bytes",
     "kv_cache_bytes": "kv_cache_bytes_final",
 }
+
+
+def check_haystack_file(path) -> Path:
+    """The haystack file as a ``Path``.
+
+    Raises
+    ------
+    FileNotFoundError
+        If it does not exist (or is not a file).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"haystack file {str(path)!r} does not exist; pass a text file with --haystack")
+    return path
 
 
 def load_haystack(tokenizer, haystack=None) -> HaystackTokens | None:
@@ -58,9 +72,7 @@ def load_haystack(tokenizer, haystack=None) -> HaystackTokens | None:
     """
     if haystack is None or isinstance(haystack, HaystackTokens):
         return haystack
-    path = Path(haystack).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"haystack file {str(path)!r} does not exist; pass a text file with --haystack")
+    path = check_haystack_file(haystack)
     return HaystackTokens(tokenizer, path.read_text(encoding="utf-8", errors="replace"))
 
 
@@ -161,11 +173,6 @@ class NIAHResult:
         return self.summary["methods"][method]["accuracy"]
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[float]) -> dict:
     """Aggregate NIAH records per method and per length x depth cell.
 
@@ -195,7 +202,7 @@ def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[floa
                     "failed": len(cell) - len(ok),
                 }
                 for name, key in _MEDIAN_FIELDS.items():
-                    entry[f"median_{name}"] = _median([r[key] for r in ok])
+                    entry[f"median_{name}"] = median_or_none([r[key] for r in ok])
                 cells.append(entry)
         ok = [r for r in mine if r["status"] == "ok"]
         methods[label] = {
@@ -234,7 +241,7 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     for c in cells:
         if c["accuracy"] is not None:
             grid[list(depths).index(c["depth"]), list(lengths).index(c["length"])] = c["accuracy"]
-    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.55 * len(depths)), dpi=100)
+    fig = Figure(figsize=(max(5.0, 1.8 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.5 * len(depths))), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_facecolor("#d0d0d0")
@@ -247,7 +254,7 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
     path = Path(path)
@@ -322,16 +329,18 @@ def run_niah(
     if max_pos and max(lengths) + max_new_tokens > max_pos:
         logger.warning("lengths up to %d exceed the model's max_position_embeddings=%d", max(lengths), max_pos)
 
-    out = Path(out_dir) if out_dir is not None else None
-    sink = None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        sink = open(out / "results.jsonl", "w", encoding="utf-8")
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(resolved) * len(samples), desc="niah", unit="run", disable=not progress)
+    out = Path(out_dir) if out_dir is not None else None
     records: list[dict] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        sink = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            sink = stack.enter_context(open(out / "results.jsonl", "w", encoding="utf-8"))
+        bar = stack.enter_context(
+            tqdm(total=len(resolved) * len(samples), desc="niah", unit="run", disable=not progress)
+        )
         for method, label in resolved:
             for i, (trial, sample) in enumerate(samples):
                 bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
@@ -350,10 +359,6 @@ def run_niah(
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                 bar.update(1)
-    finally:
-        bar.close()
-        if sink is not None:
-            sink.close()
 
     summary = summarize(records, lengths, depths)
     summary["config"] = {
@@ -362,7 +367,8 @@ def run_niah(
         "depths": depths,
         "trials": trials,
         "seed": seed,
-        "haystack": "builtin" if haystack is None else str(haystack),
+        "haystack": "builtin" if haystack is None else "custom" if isinstance(haystack, HaystackTokens) else str(
+            haystack),
         "needle_template": needle_template,
         "question_template": question_template,
         "max_new_tokens": max_new_tokens,

@@ -1,4 +1,36 @@
-"""mmaccel.kernels: the one attention-kernel layer every module shares."""
-from .column_scores import attention_column_scores
+"""mmaccel.kernels: the one attention-kernel layer every module shares.
 
-__all__ = ["attention_column_scores"]
+Plain functions, each with a PyTorch reference and a ``backend="auto" | "flash" | "flex" | "triton" | "sdpa" |
+"reference"`` choice (see :mod:`mmaccel.kernels.backends`):
+
+- :func:`attention`: dense attention with GQA, padding masks and packed variable-length batches.
+- :func:`sparse_prefill_attention`: per-head sparse prefill (dense / streaming / chunked / block-sparse).
+- :func:`decode_attention`: single-token decode over selected tokens or pages, split-K.
+- :func:`attention_column_scores`: attention each key receives from a window of queries, O(L * block) memory.
+- :func:`tree_attention`: token-tree verification for speculative decoding.
+- :func:`register_attention` / :func:`attention_patterns`: run a transformers model on this layer.
+"""
+from .backends import available_backends
+from .column_scores import attention_column_scores
+from .decode import decode_attention
+from .dense import attention
+from .hf import attention_patterns, register_attention
+from .patterns import BlockSparse, Chunked, Dense, HeadPatterns, Streaming
+from .sparse_prefill import sparse_prefill_attention
+from .tree import tree_attention
+
+__all__ = [
+    "BlockSparse",
+    "Chunked",
+    "Dense",
+    "HeadPatterns",
+    "Streaming",
+    "attention",
+    "attention_column_scores",
+    "attention_patterns",
+    "available_backends",
+    "decode_attention",
+    "register_attention",
+    "sparse_prefill_attention",
+    "tree_attention",
+]

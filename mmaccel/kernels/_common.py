@@ -66,7 +66,14 @@ def attend(
         s = s + bias.float()
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    if s.shape[-1] == 0:  # nothing to attend
+        return q.new_zeros(B, Hq, M, v.shape[-1], dtype=torch.float32), q.new_full((B, Hq, M), float("-inf"),
+                                                                                dtype=torch.float32)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
     out = torch.matmul(p.reshape(B, Hkv, g * M, -1), v.float()).reshape(B, Hq, M, -1)
+    out = out / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = torch.where(denom[..., 0] > 0, m[..., 0] + torch.log(denom[..., 0]), float("-inf"))
     return out, lse

@@ -27,7 +27,7 @@ import torch
 BACKENDS = ("auto", "flash", "flex", "triton", "sdpa", "reference")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _find(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 

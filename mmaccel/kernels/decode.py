@@ -37,14 +37,14 @@ def _reference(q, k_cache, v_cache, idx, lens, scale) -> torch.Tensor:
     Hi = idx.shape[1]
     if Hi == Hkv:  # per key/value head: keep the GQA group together
         valid = (idx >= 0) & (idx < lens[:, None, None])
-        gi = idx.clamp(min=0).long()[..., None].expand(-1, -1, -1, D)
+        gi = idx.clamp(0, S - 1).long()[..., None].expand(-1, -1, -1, D)
         ks, vs = k_cache.gather(2, gi), v_cache.gather(2, gi)
         return attend(q4, ks, vs, valid[:, :, None, None, :].expand(-1, -1, Hq // Hkv, -1, -1).reshape(
             B, Hq, 1, -1), scale)[0][:, :, 0]
     # per query head: each head reads its own tokens of its key/value head
     kv_of = torch.arange(Hq, device=q.device) // (Hq // Hkv)
     valid = (idx >= 0) & (idx < lens[:, None, None])
-    gi = idx.clamp(min=0).long()[..., None].expand(-1, -1, -1, D)
+    gi = idx.clamp(0, S - 1).long()[..., None].expand(-1, -1, -1, D)
     ks, vs = k_cache[:, kv_of].gather(2, gi), v_cache[:, kv_of].gather(2, gi)
     return attend(q4, ks, vs, valid[:, :, None, :], scale)[0][:, :, 0]
 
@@ -84,7 +84,8 @@ def decode_attention(
         [B, Hkv, S, D]; ``Hq`` a multiple of ``Hkv``.
     indices : torch.Tensor, optional
         int [B, Hkv, N] (shared by a GQA group) or [B, Hq, N] token positions to read; ``-1`` marks an unused slot.
-        Positions at or beyond ``cache_seqlens`` are ignored. An empty selection gives a zero output.
+        Positions at or beyond ``cache_seqlens`` are ignored; a position listed twice is counted twice (top-k
+        selections are unique). An empty selection gives a zero output.
     pages : torch.Tensor, optional
         int [B, Hkv or Hq, P] page ids; page ``p`` covers positions ``[p * page_size, (p + 1) * page_size)``.
     page_size : int
@@ -96,7 +97,8 @@ def decode_attention(
     num_splits : int, optional
         Split-K partitions (Triton); default from the device's SM count and the number of selected tokens.
     backend : {"auto", "triton", "reference"}
-        ``"auto"``: Triton on CUDA, the reference (PyTorch gather + softmax) on the CPU.
+        ``"auto"``: Triton on CUDA; on the CPU, SDPA for the whole cache and the reference (PyTorch gather +
+        softmax over the selected rows only) for a selection.
 
     Returns
     -------
@@ -151,6 +153,11 @@ def decode_attention(
         n = idx32.shape[2] if idx32 is not None else S
         splits = num_splits or _default_splits(n, B * Hkv, q.device)
         out = decode_triton(q3, k_cache, v_cache, idx32, lens, scale, splits)
+    elif idx is None and backend == "auto":  # whole cache: SDPA with a length mask is the fast CPU path
+        from .dense import attention
+
+        keys = torch.arange(S, device=q.device)[None, :] < lens[:, None]
+        out = attention(q4, k_cache, v_cache, causal=False, attention_mask=keys, scaling=scale, backend="sdpa")[:, :, 0]
     else:
         out = _reference(q3, k_cache, v_cache, idx, lens, scale)
     out = out.to(q.dtype)

@@ -26,7 +26,7 @@ def _normalize_mask(mask: torch.Tensor | None, B: int, Hq: int, Lq: int, Lk: int
         return mask.bool()[:, None, None, :]
     if mask.dim() != 4:
         raise ValueError(f"attention_mask must be [B, Lk] or [B, 1|Hq, Lq, Lk], got {tuple(mask.shape)}")
-    for got, want, name in zip(mask.shape, (B, Hq, Lq, Lk), "B Hq Lq Lk".split()):
+    for got, want, name in zip(mask.shape, (B, Hq, Lq, Lk), ["B", "Hq", "Lq", "Lk"]):
         if got not in (1, want):
             raise ValueError(f"attention_mask {tuple(mask.shape)} does not broadcast to {name}={want}")
     return mask

@@ -17,8 +17,9 @@ fully inside the pattern so need no token mask). The reference, FlexAttention an
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 
@@ -124,7 +125,7 @@ class BlockSparse:
     @classmethod
     def from_vertical_slash(
         cls, vertical: torch.Tensor, slash: torch.Tensor, length: int, block_size: int = 64
-    ) -> "BlockSparse":
+    ) -> BlockSparse:
         """Blocks covering MInference's vertical lines (key columns) and slash lines (query - key offsets).
 
         Parameters
@@ -189,7 +190,7 @@ class HeadPatterns:
         return len(self.patterns)
 
     @classmethod
-    def uniform(cls, pattern: Pattern, num_heads: int) -> "HeadPatterns":
+    def uniform(cls, pattern: Pattern, num_heads: int) -> HeadPatterns:
         """The same pattern on ``num_heads`` heads."""
         return cls((pattern,) * num_heads)
 
@@ -225,7 +226,7 @@ def as_head_patterns(pattern, num_q_heads: int, num_kv_heads: int) -> tuple:
     if isinstance(pattern, PATTERN_TYPES):
         return (pattern,) * num_q_heads
     if not isinstance(pattern, HeadPatterns):
-        if not isinstance(pattern, Sequence):
+        if not isinstance(pattern, Sequence) or isinstance(pattern, str):
             raise TypeError(f"expected a pattern or HeadPatterns, got {type(pattern).__name__}")
         pattern = HeadPatterns(tuple(pattern))
     return pattern.per_query_head(num_q_heads, num_kv_heads)
@@ -415,17 +416,19 @@ def block_plan(
     )
 
 
+def head_masks(patterns: tuple, qa: torch.Tensor, k: torch.Tensor, k_len: int, rule_of=make_rule) -> torch.Tensor:
+    """bool [Hq, *broadcast(qa, k)] of each head's rule (``rule_of(pattern, k_len)``), once per distinct pattern."""
+    cache: dict[int, torch.Tensor] = {}
+    for p in patterns:
+        if id(p) not in cache:
+            cache[id(p)] = rule_of(p, k_len).allowed(qa, k)
+    return torch.stack([cache[id(p)] for p in patterns])
+
+
 def token_mask(patterns: tuple, q_len: int, k_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Dense bool [Hq, Lq, Lk] mask of the patterns. O(Lq * Lk): for tests and tiny inputs only."""
     qa = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
-    k = torch.arange(k_len, device=device)[None, :]
-    cache: dict[int, torch.Tensor] = {}
-    out = []
-    for p in patterns:
-        if id(p) not in cache:
-            cache[id(p)] = make_rule(p, k_len).allowed(qa, k)
-        out.append(cache[id(p)])
-    return torch.stack(out)
+    return head_masks(patterns, qa, torch.arange(k_len, device=device)[None, :], k_len)
 
 
 def pattern_density(patterns: tuple, q_len: int, k_len: int, block: int = 256) -> float:

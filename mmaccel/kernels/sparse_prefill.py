@@ -14,7 +14,7 @@ from .dense import _sdpa
 from .patterns import BlockPlan, Dense, as_head_patterns, block_plan, token_mask
 
 SPARSE_BACKENDS = ("flex", "triton", "reference")
-_DEFAULT_BLOCK = {"reference": 128, "flex": 128, "triton": 64}
+_DEFAULT_BLOCK = {"reference": 64, "flex": 128, "triton": 64}
 
 
 def _check_lens(seq_lens: torch.Tensor | None, B: int, Lk: int, device) -> torch.Tensor | None:
@@ -133,7 +133,7 @@ def sparse_prefill_attention(
     seq_lens : torch.Tensor, optional
         int [B] valid keys per sequence (right padding); keys at or beyond it are masked.
     block_size : int, optional
-        Kernel tile size (tokens, both axes); default 128 (reference, flex) or 64 (Triton). Triton needs >= 16.
+        Kernel tile size (tokens, both axes); default 64 (reference, Triton) or 128 (flex). Triton needs >= 16.
     backend : {"auto", "flex", "triton", "reference"}
         ``"auto"``: FlexAttention (compiled) then Triton on CUDA; the block-skipping reference on the CPU.
 

@@ -20,7 +20,7 @@ from .patterns import BlockPlan
 
 @triton.jit
 def _sparse_prefill_fwd(
-    Q, K, V, O, KV_NUM, KV_IDX, SINK, WIN, GRAN, HAS_T, TABLE, KV_LENS,
+    Q, K, V, OUT, KV_NUM, KV_IDX, SINK, WIN, GRAN, HAS_T, TABLE, KV_LENS,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
     s_num_h, s_idx_h, s_idx_q, s_t_h, s_t_r,
     H, GROUP, Lq, Lk, scale,
@@ -49,7 +49,7 @@ def _sparse_prefill_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j in range(0, n_tiles):
+    for j in range(n_tiles):
         kb = tl.load(KV_IDX + h * s_idx_h + qb * s_idx_q + j)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Lk
@@ -75,8 +75,8 @@ def _sparse_prefill_fwd(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(OUT + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def sparse_prefill_triton(
@@ -109,7 +109,8 @@ def sparse_prefill_triton(
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         num.stride(0), idx.stride(0), idx.stride(1), table.stride(0), table.stride(1),
         Hq, Hq // Hkv, Lq, Lk, scale,
-        CAUSAL=plan.causal, HEAD_DIM=D, BLOCK_M=plan.block_q, BLOCK_N=plan.block_k, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        CAUSAL=plan.causal, HEAD_DIM=D, BLOCK_M=plan.block_q, BLOCK_N=plan.block_k,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     return out
 

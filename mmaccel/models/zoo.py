@@ -91,13 +91,16 @@ ZOO: dict[str, ZooEntry] = {
         ),
         recipe=Recipe(
             phases=(
-                Phase(steps=1000, min_len=96, max_len=160, batch_size=16),
-                Phase(steps=500, min_len=128, max_len=256, batch_size=16),
-                Phase(steps=400, min_len=256, max_len=512, batch_size=16),
-                Phase(steps=250, min_len=512, max_len=1024, batch_size=8),
-                Phase(steps=300, min_len=1024, max_len=2048, batch_size=4),
-                Phase(steps=250, min_len=2048, max_len=4096, batch_size=2),
+                Phase(steps=600, min_len=80, max_len=128, batch_size=16),
+                Phase(steps=400, min_len=128, max_len=256, batch_size=16),
+                Phase(steps=300, min_len=256, max_len=512, batch_size=16),
+                Phase(steps=200, min_len=512, max_len=1024, batch_size=8),
+                Phase(steps=200, min_len=1024, max_len=2048, batch_size=4),
+                Phase(steps=200, min_len=2048, max_len=4096, batch_size=2),
             ),
+            warmup_steps=100,
+            answer_weight=3.0,
+            max_needles=1,
         ),
     ),
     "micro-draft": ZooEntry(
@@ -113,9 +116,12 @@ ZOO: dict[str, ZooEntry] = {
         ),
         recipe=Recipe(
             phases=(
-                Phase(steps=800, min_len=96, max_len=160, batch_size=16),
-                Phase(steps=400, min_len=128, max_len=512, batch_size=8),
+                Phase(steps=500, min_len=80, max_len=160, batch_size=16),
+                Phase(steps=250, min_len=160, max_len=512, batch_size=8),
             ),
+            warmup_steps=100,
+            answer_weight=3.0,
+            max_needles=1,
         ),
         tokenizer_from="micro-lm",
     ),

@@ -1,0 +1,203 @@
+"""transformers integration: an ``"mmaccel"`` attention implementation that runs a loaded model on this layer.
+
+Attach through the public seams only: ``AttentionInterface.register`` for the attention function and
+``AttentionMaskInterface.register`` (with transformers' own ``sdpa_mask``) for the mask, then
+``model.set_attn_implementation("mmaccel")`` or ``from_pretrained(..., attn_implementation="mmaccel")``.
+
+Per-layer / per-head patterns (set by ``mmaccel.longctx`` and ``mmaccel.vision_tokens``) live on the attention module
+*instances* for the duration of :func:`attention_patterns`; nothing is patched on classes and no global state is read.
+
+Example
+-------
+>>> register_attention()
+>>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="mmaccel")
+>>> with attention_patterns(model, {1: HeadPatterns((Dense(), Streaming(4, 256)) * 2)}):
+...     out = model.generate(**inputs)
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from .decode import decode_attention
+from .dense import attention, causal_mask
+from .patterns import BlockSparse, Chunked, Dense, as_head_patterns, head_masks, make_rule
+from .sparse_prefill import sparse_prefill_attention
+
+logger = logging.getLogger(__name__)
+
+PATTERN_ATTR = "_mmaccel_patterns"
+
+
+def _plain_causal(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
+    """Whether a 4-D bool mask is only the (bottom-right) causal mask: no padding, nothing custom."""
+    return mask.dtype == torch.bool and bool((mask == causal_mask(q_len, k_len, mask.device)).all())
+
+
+def _decode_rule(pattern, k_len: int):
+    """The token rule a decode step uses: block tables are a prefill device, so BlockSparse decodes densely, and a
+    Chunked selection table that no longer covers the position keeps only the sinks and the current chunk."""
+    if isinstance(pattern, BlockSparse):
+        return make_rule(Dense(), k_len)
+    if isinstance(pattern, Chunked) and pattern.selected is not None:
+        n = -(-k_len // pattern.chunk_size)
+        if pattern.selected.shape[0] != n:
+            return make_rule(Chunked(pattern.chunk_size, pattern.sink), k_len)
+    return make_rule(pattern, k_len)
+
+
+def decode_indices(patterns: tuple, k_len: int, batch: int, device) -> torch.Tensor:
+    """int64 [B, Hq, N] key positions each head reads for the next token (``-1`` pads), from the patterns."""
+    k = torch.arange(k_len, device=device)
+    qa = torch.tensor(k_len - 1, device=device)
+    allowed = head_masks(patterns, qa, k, k_len, rule_of=_decode_rule)  # [Hq, Lk]
+    n = int(allowed.sum(-1).max())
+    order = torch.argsort((~allowed).to(torch.int64) * k_len + k, dim=-1)[:, :n]
+    idx = torch.where(allowed.gather(1, order), order, -1)
+    return idx[None].expand(batch, -1, -1)
+
+
+def mmaccel_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered in ``AttentionInterface``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module; its ``_mmaccel_patterns`` attribute (if any) selects sparse paths.
+    query : torch.Tensor
+        [B, Hq, Lq, D].
+    key, value : torch.Tensor
+        [B, Hkv, Lk, D] (GQA not repeated).
+    attention_mask : torch.Tensor or None
+        4-D bool mask from ``sdpa_mask`` or None (plain causal).
+    scaling : float, optional
+        Softmax scale.
+    dropout : float
+        Must be 0 while training (inference layer).
+
+    Returns
+    -------
+    (torch.Tensor, None)
+        [B, Lq, Hq, D] output and no attention weights.
+
+    Raises
+    ------
+    NotImplementedError
+        For dropout in training, or patterns combined with a padding / custom mask.
+    """
+    if dropout and module.training:
+        raise NotImplementedError("mmaccel attention is an inference layer: dropout is not supported in training")
+    patterns = getattr(module, PATTERN_ATTR, None)
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    B, Hq, Lq, _ = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if patterns is None:
+        out = attention(query, key, value, causal=bool(is_causal) and attention_mask is None,
+                        attention_mask=attention_mask, scaling=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and not _plain_causal(attention_mask, Lq, Lk):
+        raise NotImplementedError(
+            f"layer {getattr(module, 'layer_idx', '?')}: sparse attention patterns with padded or custom masks are not "
+            "supported; run unpadded (batch 1 or equal lengths) or drop the patterns"
+        )
+    heads = as_head_patterns(patterns, Hq, Hkv)
+    if Lq == 1:
+        idx = decode_indices(heads, Lk, B, query.device)
+        out = decode_attention(query, key, value, indices=idx, scaling=scaling)
+    else:
+        out = sparse_prefill_attention(query, key, value, heads, scaling=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention(name: str = "mmaccel") -> str:
+    """Register :func:`mmaccel_attention_forward` and transformers' SDPA mask under ``name``; idempotent.
+
+    Returns
+    -------
+    str
+        ``name``, for ``attn_implementation=`` / ``set_attn_implementation``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, mmaccel_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _runs_mmaccel(impl) -> bool:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS._global_mapping.get(impl) is mmaccel_attention_forward
+
+
+def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    found: dict[int, torch.nn.Module] = {}
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and hasattr(mod, "head_dim") and hasattr(mod, "config"):
+            if mod.layer_idx in found:
+                raise ValueError(
+                    f"two attention modules have layer_idx {mod.layer_idx} (e.g. a vision tower and a language model); "
+                    "pass the language model (e.g. model.model.language_model) instead"
+                )
+            found[mod.layer_idx] = mod
+    return found
+
+
+@contextlib.contextmanager
+def attention_patterns(model: torch.nn.Module, layers: Mapping[int, object]) -> Iterator[torch.nn.Module]:
+    """Set sparse attention patterns on some layers of one model instance, and remove them on exit.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers model (or its language-model submodule) running ``attn_implementation="mmaccel"``.
+    layers : mapping of int to pattern or HeadPatterns
+        ``{layer_idx: pattern}``; a bare pattern applies to every head of the layer.
+
+    Yields
+    ------
+    torch.nn.Module
+        ``model``.
+
+    Raises
+    ------
+    ValueError
+        For a layer index the model does not have, a pattern for the wrong number of heads, or ambiguous layers.
+    """
+    modules = _attention_modules(model)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not _runs_mmaccel(impl):
+        logger.warning("attention patterns are read only by the registered mmaccel implementation; model uses %r", impl)
+    for idx, pattern in layers.items():
+        if idx not in modules:
+            raise ValueError(f"no attention layer {idx}; the model has layers {sorted(modules)}")
+        cfg = modules[idx].config
+        hq = getattr(cfg, "num_attention_heads", None)
+        if hq is not None:
+            as_head_patterns(pattern, hq, getattr(cfg, "num_key_value_heads", None) or hq)
+    previous = {idx: getattr(modules[idx], PATTERN_ATTR, None) for idx in layers}
+    try:
+        for idx, pattern in layers.items():
+            setattr(modules[idx], PATTERN_ATTR, pattern)
+        yield model
+    finally:
+        for idx, old in previous.items():
+            if old is None:
+                if hasattr(modules[idx], PATTERN_ATTR):
+                    delattr(modules[idx], PATTERN_ATTR)
+            else:
+                setattr(modules[idx], PATTERN_ATTR, old)

@@ -1,0 +1,120 @@
+"""The mmaccel command line, run in-process on a tiny random Llama saved as a local HF checkpoint."""
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+from test_eval import tiny_model_and_tokenizer
+
+import mmaccel
+from mmaccel.cli import main
+from mmaccel.models import list_models
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    model, tok = tiny_model_and_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_version_through_python_dash_m():
+    proc = subprocess.run([sys.executable, "-m", "mmaccel", "--version"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mmaccel {mmaccel.__version__}"
+
+
+def test_compare_end_to_end(capsys, tiny_dir, tmp_path):
+    rc, out, err = _run(capsys, "compare", "--task", "niah", "--model", tiny_dir, "--length", "192", "--methods",
+                        "full", "streaming:window=32", "snapkv:budget=64:window=16", "--max-new-tokens", "4",
+                        "--warmup", "0", "--out", str(tmp_path))
+    assert rc == 0, err
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| method | answer | correct | TTFT (s) |")
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["full", "streaming:window=32",
+                                                               "snapkv:budget=64:window=16"]
+    assert table[2].endswith("| 1.000 |")
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["inputs"]["prompt_tokens"] == data["inputs"]["length"] == 192
+    assert data["inputs"]["depth"] == 0.5
+    assert all(r["status"] == "ok" and r["extra"]["answer"] == data["answer"] for r in data["records"])
+    assert data["records"][1]["kv_ratio_vs_full"] < 1.0
+    assert f"answer {data['answer']}" in out
+
+
+def test_niah_end_to_end(capsys, tiny_dir, tmp_path):
+    rc, out, err = _run(capsys, "niah", "--model", tiny_dir, "--methods", "full", "streaming:window=32",
+                        "--lengths", "128", "192", "--depths", "0", "1", "--trials", "1", "--max-new-tokens", "3",
+                        "--warmup", "0", "--no-progress", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2 * 2 * 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["methods"]) == {"full", "streaming:window=32"}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["heatmap_full.png", "heatmap_streaming_window-32.png"]
+    assert "| method | 128 | 192 | overall |" in out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["compare", "--methods", "bogus"], "unknown KV-cache method 'bogus'"),
+        (["niah", "--methods", "snapkv:budget=0"], "budget must be an integer >= 1"),
+        (["compare", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["compare", "--haystack", "/no/such/file.txt"], "haystack file '/no/such/file.txt' does not exist"),
+        (["compare", "--depth", "2"], "depth must be in [0, 1]"),
+        (["zoo", "train", "no-such-model"], "unknown zoo model"),
+    ],
+)
+def test_bad_inputs_give_one_clear_error(capsys, argv, match):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and match in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_length_smaller_than_the_needle_is_an_error(capsys, tiny_dir, tmp_path):
+    rc, _, err = _run(capsys, "compare", "--model", tiny_dir, "--length", "30", "--out", str(tmp_path))
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: length 30 is smaller than the needle")
+    assert not (tmp_path / "compare.json").exists()
+
+
+def test_zoo_list(capsys):
+    rc, out, _ = _run(capsys, "zoo", "list")
+    assert rc == 0
+    names = [line.split()[0] for line in out.splitlines()[1:]]
+    assert names == [m["name"] for m in list_models()]
+
+
+def test_zoo_train_trains_then_writes_the_card(capsys, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr("mmaccel.models.train.train",
+                        lambda name, out, **kw: calls.append(("train", name, out, kw)) or {"steps": 3,
+                                                                                           "wall_time_s": 1.0})
+    card = types.ModuleType("mmaccel.models.card")
+    card.write_model_card = lambda name, out=None: calls.append(("card", name, out)) or tmp_path / "README.md"
+    monkeypatch.setitem(sys.modules, "mmaccel.models.card", card)
+    rc, out, _ = _run(capsys, "zoo", "train", "micro-draft", "--out", str(tmp_path), "--max-steps", "3",
+                      "--threads", "1")
+    assert rc == 0
+    assert calls == [("train", "micro-draft", str(tmp_path), {"device": "cpu", "threads": 1, "max_steps": 3}),
+                     ("card", "micro-draft", str(tmp_path))]
+    assert "trained micro-draft: 3 steps" in out
+
+
+def test_kernel_bench_forwards_its_arguments(capsys, monkeypatch):
+    seen = []
+    bench = types.ModuleType("mmaccel.kernels.bench")
+    bench.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "mmaccel.kernels.bench", bench)
+    monkeypatch.setattr("mmaccel.kernels.bench", bench, raising=False)
+    rc, _, _ = _run(capsys, "kernel-bench", "--lengths", "256", "512", "-h")
+    assert rc == 0 and seen == [["--lengths", "256", "512", "-h"]]

@@ -1,0 +1,118 @@
+"""Model loading, the zoo, the tokenizer and the training-document generator."""
+import random
+import re
+
+import pytest
+import torch
+
+from mmaccel.eval.haystack import make_niah_sample, stdlib_paragraphs
+from mmaccel.models import ModelLoadError, load, resolve_model_path
+from mmaccel.models import zoo as zoo_mod
+from mmaccel.models.tokenizer import train_bpe_tokenizer
+from mmaccel.models.train import NeedleDocuments
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe_tokenizer(stdlib_paragraphs("train")[:300], vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_tokenizer_splits_digits_and_has_specials(tokenizer):
+    ids = tokenizer.encode(" is 40817.", add_special_tokens=False)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    assert [p for p in pieces if p.isdigit()] == ["4", "0", "8", "1", "7"]
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.decode(ids) == " is 40817."
+
+
+def test_tokenizer_rejects_tiny_vocab():
+    with pytest.raises(ValueError, match="vocab_size must be at least"):
+        train_bpe_tokenizer(["abc"], vocab_size=100)
+
+
+def test_load_local_checkpoint_roundtrip(tiny_checkpoint):
+    model, tok = load(tiny_checkpoint, device="cpu")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert tok.encode(" is 1", add_special_tokens=False)[-1] == tok.convert_tokens_to_ids("1")
+    model16, _ = load(str(tiny_checkpoint), device="cpu", dtype="float16")
+    assert next(model16.parameters()).dtype == torch.float16
+
+
+def test_load_missing_path_names_the_fix(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a zoo model"):
+        load(str(tmp_path / "nope" / "deeper"))
+
+
+def test_load_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load(tmp_path)
+
+
+def test_load_unknown_name():
+    with pytest.raises(ModelLoadError, match="micro-lm"):
+        resolve_model_path("definitely-not-a-model")
+
+
+def test_load_hub_id_offline_says_pass_a_local_path(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="local directory"):
+        load("some-org/some-model")
+
+
+def test_load_unsupported_architecture(tmp_path):
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load(tmp_path, device="cpu")
+
+
+def test_untrained_zoo_model_names_the_train_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(zoo_mod, "assets_dir", lambda: tmp_path)
+    with pytest.raises(ModelLoadError, match="mmaccel zoo train micro-lm"):
+        resolve_model_path("micro-lm")
+
+
+def test_zoo_list_rows():
+    rows = {r["name"]: r for r in zoo_mod.list_models()}
+    assert set(rows) == {"micro-lm", "micro-draft"}
+    for row in rows.values():
+        assert row["trained"] == (row["size_bytes"] > 0)
+
+
+def test_zoo_models_within_size_limit():
+    for row in zoo_mod.list_models():
+        assert row["size_bytes"] <= 20 * 1024 * 1024
+
+
+def test_needle_documents_match_the_niah_layout(tokenizer):
+    docs = NeedleDocuments(tokenizer, random.Random(0), max_needles=2, answer_weight=2.0)
+    for n in (120, 333, 1000):
+        ids, weights = docs.sample(n)
+        assert len(ids) == len(weights) == n
+        assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+        answer = [i for i, w in zip(ids, weights) if w > 1]
+        text = tokenizer.decode(answer[:-1]).strip()
+        assert text.isdigit() and len(text) == 5
+        # the question before the answer is phrased exactly as the NIAH prompt ends
+        prompt = tokenizer.decode(ids[: n - len(answer)])
+        assert re.search(r"\nWhat is the secret number of the (\w+ \w+)\? The secret number of the \1 is$", prompt)
+    with pytest.raises(ValueError, match="cannot hold a needle"):
+        docs.sample(20)
