@@ -252,7 +252,7 @@ def make_niah_sample(
     minimum = len(bos) + len(needle_ids) + len(question_ids) + 16
     if length < minimum:
         raise ValueError(
-            f"length {length} is smaller than the needle and question need: use --lengths of at least {minimum} tokens"
+            f"length {length} is smaller than the needle and question need: use a length of at least {minimum} tokens"
         )
     body = hay.span(n_hay, rng)
     pos = hay.boundary(body, round(depth * n_hay))

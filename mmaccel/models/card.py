@@ -15,7 +15,7 @@ def _fmt_table(header: list[str], rows: list[list]) -> str:
 
 def niah_table(summary: dict, method: str = "full") -> str:
     """Markdown table, depths as rows and lengths as columns, of one method's NIAH accuracy from ``summary.json``."""
-    cells = [c for c in summary.get("cells", []) if c.get("method") == method]
+    cells = [c for c in summary.get("methods", {}).get(method, {}).get("cells", []) if c.get("accuracy") is not None]
     if not cells:
         return "(no NIAH results yet)"
     lengths = sorted({c["length"] for c in cells})
@@ -35,6 +35,12 @@ def niah_table(summary: dict, method: str = "full") -> str:
         by_len.append(f"{100 * sum(c['accuracy'] * c['n'] for c in cs) / max(n, 1):.1f}%")
     rows.append(["**all depths**"] + by_len)
     return _fmt_table(["depth \\ length"] + [str(L) for L in lengths], rows)
+
+
+_NIAH_COMMAND = (
+    "Command: `mmaccel niah --model {name} --methods full --lengths {lengths} --depths 0 0.25 0.5 0.75 1 "
+    "--trials 10 --out assets/models/{name}/{out}`"
+)
 
 
 def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
@@ -81,10 +87,12 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     niah_md = "(not evaluated yet: `mmaccel niah --model {name} --out assets/models/{name}/niah`)".format(name=name)
     if (niah_dir / "summary.json").exists():
         summary = json.loads((niah_dir / "summary.json").read_text())
-        niah_md = niah_table(summary) + "\n\n" + f"Command: `{summary.get('command', '')}`"
-        if (niah_dir / "extra_summary.json").exists():
-            extra = json.loads((niah_dir / "extra_summary.json").read_text())
-            niah_md += "\n\nBeyond the grid:\n\n" + niah_table(extra) + f"\n\nCommand: `{extra.get('command', '')}`"
+        niah_md = niah_table(summary) + "\n\n" + _NIAH_COMMAND.format(name=name, out="niah", lengths="512 1024 2048 4096")
+        niah_md += "\n\nHeatmap: `niah/heatmap_full.png`; per-trial records: `niah/results.jsonl`."
+        if (out / "niah_8k" / "summary.json").exists():
+            extra = json.loads((out / "niah_8k" / "summary.json").read_text())
+            niah_md += "\n\nBeyond the trained lengths (8k):\n\n" + niah_table(extra) + "\n\n"
+            niah_md += _NIAH_COMMAND.format(name=name, out="niah_8k", lengths="8192")
     arch = (
         f"`{cfg['architectures'][0]}`: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"{cfg['num_attention_heads']} query heads / {cfg['num_key_value_heads']} KV heads (GQA), intermediate "
@@ -117,6 +125,8 @@ cosine decay to {recipe['min_lr_ratio']}x, gradient clip {recipe['grad_clip']}, 
 Length curriculum:
 
 {phases}
+
+{entry.notes}
 
 ## Training curve
 {curve}

@@ -1,0 +1,39 @@
+"""The foundation's main job on the committed micro-lm: a 4k document, needle at depth 0.5, three methods."""
+import pytest
+
+from mmaccel.eval import compare, make_niah_sample
+from mmaccel.models import list_models, load
+
+
+@pytest.fixture(scope="module")
+def micro_lm():
+    entry = next(m for m in list_models() if m["name"] == "micro-lm")
+    assert entry["trained"], "assets/models/micro-lm must be committed (mmaccel zoo train micro-lm)"
+    return load("micro-lm", device="cpu")
+
+
+@pytest.mark.slow
+def test_compare_4k_depth_half(micro_lm):
+    model, tok = micro_lm
+    sample = make_niah_sample(tok, 4096, 0.5, seed=0)
+    cmp = compare(model, tok, sample, ["full", "snapkv:budget=256", "streaming:window=256"], max_new_tokens=8, warmup=0)
+    full, snap, stream = cmp.records
+    assert all(r.ok for r in cmp.records), [r.error for r in cmp.records]
+    assert full.extra["correct"], full.output_text
+    assert snap.extra["correct"], snap.output_text
+    assert cmp.kv_ratio(snap) <= 1 / 8
+    assert cmp.kv_ratio(stream) <= 1 / 8
+    # the needle (token ~2,000) is far outside streaming's 4 sinks + 256 recent tokens: it cannot be answered
+    assert sample.needle_position < 4096 - 256 - 32
+    assert not stream.extra["correct"], stream.output_text
+    # the K/V really shrank: full holds the whole prompt, the methods hold their budgets
+    assert full.kv_cache_bytes_prefill > 8 * snap.kv_cache_bytes_prefill
+    assert full.kv_cache_bytes_prefill > 8 * stream.kv_cache_bytes_prefill
+
+
+@pytest.mark.slow
+def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
+    model, tok = micro_lm
+    sample = make_niah_sample(tok, 1024, 1.0, seed=3)
+    cmp = compare(model, tok, sample, ["full", "streaming:window=256"], max_new_tokens=8, warmup=0)
+    assert [r.extra["correct"] for r in cmp.records] == [True, True], [r.output_text for r in cmp.records]
