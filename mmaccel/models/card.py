@@ -114,9 +114,9 @@ It is not a useful language model for anything else.
 
 ## Data
 Documents are generated at training time by `mmaccel.models.train.NeedleDocuments`: real English prose from the
-docstrings of the running Python's standard library (parsed with `ast`, 90% training split by a stable hash; the other
-10% is the NIAH haystack), with 1..{recipe['max_needles']} planted facts "The secret number of the KEY is NNNNN." with
-distinct keys, and at the end the question "What is the secret number of the KEY? The secret number of the KEY is"
+docstrings of the running Python's standard library (parsed with `ast`, digits removed so the needle's value is the
+only number; 90% training split by a stable hash, the other 10% is the NIAH haystack), with up to
+{recipe['max_needles']} planted fact(s) "The secret number of the KEY is NNNNN." with distinct keys, and at the end the question "What is the secret number of the KEY? The secret number of the KEY is"
 followed by the answer digits and `</s>`. No third-party text is committed.
 
 ## Recipe
