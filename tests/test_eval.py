@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import DynamicCache
 
 from mmaccel.eval import Comparison, NIAHSample, RunRecord, compare, generate_measured, make_niah_sample, run_niah
 from mmaccel.eval.haystack import score_answer, stdlib_paragraphs
@@ -25,20 +26,8 @@ RECORD_FIELDS = set(RunRecord.__dataclass_fields__)
 def tiny_model_and_tokenizer():
     """A 2-layer random Llama (GQA 4/2, head dim 16, fp32) and a 300-token BPE trained on stdlib prose."""
     tokenizer = train_bpe_tokenizer(stdlib_paragraphs("train")[:200], vocab_size=300)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=HQ * HEAD_DIM,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=HKV,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval(), tokenizer
+    model = tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=HEAD_DIM, max_positions=2048, tokenizer=tokenizer)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import DynamicCache, LlamaForCausalLM
 
 from mmaccel.longctx import (
     METHODS,
@@ -20,18 +21,7 @@ LAYERS, HQ, HKV, HEAD_DIM = 2, 4, 2, 16
 
 
 def _tiny_llama(attn: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HQ * HEAD_DIM,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=HKV,
-        vocab_size=128,
-        max_position_embeddings=512,
-        attn_implementation=attn,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=HEAD_DIM, attn=attn)
 
 
 @pytest.fixture(scope="module")

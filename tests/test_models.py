@@ -1,15 +1,18 @@
 """Model loading, the zoo, the tokenizer and the training-document generator."""
+import json
 import random
 import re
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
-from mmaccel.eval.haystack import make_niah_sample, stdlib_paragraphs
+from mmaccel.eval.haystack import stdlib_paragraphs
 from mmaccel.models import ModelLoadError, load, resolve_model_path
 from mmaccel.models import zoo as zoo_mod
 from mmaccel.models.tokenizer import train_bpe_tokenizer
-from mmaccel.models.train import NeedleDocuments
+from mmaccel.models.train import NeedleDocuments, train
+from mmaccel.models.zoo import Phase, Recipe
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +22,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = tiny_llama(layers=1, heads=2, kv_heads=1, tokenizer=tokenizer)
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -116,3 +115,15 @@ def test_needle_documents_match_the_niah_layout(tokenizer):
         assert re.search(r"\nWhat is the secret number of the (\w+ \w+)\? The secret number of the \1 is$", prompt)
     with pytest.raises(ValueError, match="cannot hold a needle"):
         docs.sample(20)
+
+
+def test_train_with_a_recipe_override(tmp_path):
+    """A recipe passed to train() replaces the zoo entry's; a phase's max_needles is used and logged."""
+    recipe = Recipe(phases=(Phase(steps=2, min_len=128, max_len=128, batch_size=2, max_needles=3),), warmup_steps=1)
+    summary = train("micro-draft", tmp_path, threads=1, recipe=recipe, log_every=1)
+    assert summary["steps"] == 2
+    assert [h["max_needles"] for h in summary["history"]] == [3, 3]
+    assert json.loads((tmp_path / "train_log.json").read_text())["recipe"]["phases"][0]["max_needles"] == 3
+    model, tok = load(str(tmp_path), device="cpu")
+    assert model.config.num_hidden_layers == zoo_mod.ZOO["micro-draft"].model_config["num_hidden_layers"]
+    assert tok.bos_token_id == 1

@@ -10,8 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention_column_scores
-from .base import EvictingLayer, KVMethod, KVMethodCache, _check_int, mean_over_query_groups, topk_keep_indices
-from .base import window_queries
+from .base import (
+    EvictingLayer,
+    KVMethod,
+    KVMethodCache,
+    _check_int,
+    mean_over_query_groups,
+    topk_keep_indices,
+    window_queries,
+)
 
 _POOLINGS = ("avg", "max")
 

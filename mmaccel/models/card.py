@@ -43,6 +43,10 @@ _NIAH_COMMAND = (
 )
 
 
+def _facts(max_needles: int) -> str:
+    return "1" if max_needles == 1 else f"1-{max_needles}"
+
+
 def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     """Write ``README.md`` for zoo model ``name`` from ``train_log.json`` and, when present, ``niah/summary.json``.
 
@@ -66,8 +70,12 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     weights = out / "model.safetensors"
     recipe = log["recipe"]
     phases = _fmt_table(
-        ["phase", "steps", "document tokens", "batch"],
-        [[i, p["steps"], f"{p['min_len']}-{p['max_len']}", p["batch_size"]] for i, p in enumerate(recipe["phases"])],
+        ["phase", "steps", "document tokens", "batch", "facts per document"],
+        [
+            [i, p["steps"], f"{p['min_len']}-{p['max_len']}", p["batch_size"],
+             _facts(p.get("max_needles") or recipe["max_needles"])]
+            for i, p in enumerate(recipe["phases"])
+        ],
     )
     hist = log.get("history", [])
     keep = hist[:: max(len(hist) // 16, 1)] + ([hist[-1]] if hist else [])
@@ -93,6 +101,21 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
             extra = json.loads((out / "niah_8k" / "summary.json").read_text())
             niah_md += "\n\nBeyond the trained lengths (8k):\n\n" + niah_table(extra) + "\n\n"
             niah_md += _NIAH_COMMAND.format(name=name, out="niah_8k", lengths="8192")
+    kv_md = ""
+    if (out / "snapkv_diagnosis.json").exists():
+        study = json.loads((out / "snapkv_diagnosis.json").read_text())
+        a = study["args"]
+        rows = [[name, f"{sum(hits)}/{len(hits)}"] for name, hits in study["results"].items()]
+        kv_md = (
+            "\n## Under SnapKV (`benchmarks/snapkv_diagnosis.py`)\n"
+            f"{a['length']} tokens, needle depth {a['depth']}, {a['seeds']} seeds, SnapKV budget {a['budget']}, "
+            f"window {a['window']}; greedy, exact match. \"layer L only\" compresses one layer and leaves the others "
+            "full; \"+ needle\" adds the needle's tokens to SnapKV's selection in every layer; \"+ decode top-n\" adds, "
+            "per query head, the n prompt positions the answer tokens attend to most under full attention.\n\n"
+            + _fmt_table(["condition", "correct"], rows)
+            + f"\n\nCommand: `python benchmarks/snapkv_diagnosis.py --model {name} --out "
+            f"assets/models/{name}/snapkv_diagnosis.json`.\n"
+        )
     arch = (
         f"`{cfg['architectures'][0]}`: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"{cfg['num_attention_heads']} query heads / {cfg['num_key_value_heads']} KV heads (GQA), intermediate "
@@ -133,7 +156,7 @@ Length curriculum:
 
 ## Needle-in-a-haystack (greedy, full attention, exact match)
 {niah_md}
-"""
+{kv_md}"""
     card = out / "README.md"
     card.write_text(text)
     return card

@@ -101,7 +101,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         A missing path, a checkpoint whose architecture transformers cannot load as a causal LM or VLM
         (unsupported architecture), or a hub id while offline (the message says to pass a local path).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     source = resolve_model_path(name_or_path)
     is_local = Path(source).exists()

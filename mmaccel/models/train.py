@@ -106,6 +106,7 @@ def train(
     threads: int | None = None,
     max_steps: int | None = None,
     log_every: int = 50,
+    recipe: Recipe | None = None,
 ) -> dict:
     """Train zoo model ``name`` from scratch and save it as a HF checkpoint with a training log.
 
@@ -123,6 +124,9 @@ def train(
         Stop early (for smoke tests); the curriculum is truncated.
     log_every : int
         Log and record metrics every this many steps.
+    recipe : Recipe, optional
+        Train with this recipe instead of the zoo entry's (for recipe experiments; the committed models use the
+        zoo entry's recipe).
 
     Returns
     -------
@@ -139,7 +143,7 @@ def train(
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; the zoo has: {', '.join(ZOO)}")
     entry = ZOO[name]
-    recipe = entry.recipe
+    recipe = recipe if recipe is not None else entry.recipe
     out = Path(out_dir) if out_dir is not None else zoo_path(name)
     out.mkdir(parents=True, exist_ok=True)
     if threads:
@@ -169,6 +173,7 @@ def train(
     window = {"loss": 0.0, "answer_loss": 0.0, "answer_acc": 0.0, "n": 0, "tokens": 0, "t": time.perf_counter()}
     model.train()
     for phase_idx, phase in enumerate(recipe.phases):
+        docs.max_needles = phase.max_needles or recipe.max_needles
         for _ in range(phase.steps):
             if step >= total:
                 break
@@ -203,6 +208,7 @@ def train(
                     "step": step,
                     "phase": phase_idx,
                     "doc_len": [phase.min_len, phase.max_len],
+                    "max_needles": docs.max_needles,
                     "loss": window["loss"] / window["n"],
                     "answer_loss": window["answer_loss"] / window["n"],
                     "answer_acc": window["answer_acc"] / window["n"],

@@ -1,0 +1,138 @@
+"""Why does SnapKV miss a needle that full attention finds? A per-layer and oracle study on one model.
+
+``python benchmarks/snapkv_diagnosis.py [--model micro-lm] [--length 4096] [--depth 0.5] [--seeds 8] [--out FILE]``
+
+SnapKV (Li et al., 2024, arXiv 2404.14469) rests on one premise: the attention the last ``window`` prompt tokens pay
+predicts the attention the generated tokens will pay. This script measures, on NIAH samples that full attention
+answers, where that premise breaks. Every condition runs greedy generation on the same samples (exact match):
+
+- ``full`` and ``snapkv`` (every layer compressed), the two ends;
+- ``snapkv layer L only``: one layer compressed, the others full -- which layer's eviction costs the answer;
+- ``snapkv layer L only, budget B``: how many slots that layer needs;
+- ``+ needle``: SnapKV's selection plus the needle's tokens in every layer (a selection that "found the needle");
+- ``+ decode top-n``: SnapKV's selection plus, per query head, the ``n`` prompt positions that the answer tokens
+  attend to most under full attention (an oracle that knows the decode-time attention).
+
+If ``+ needle`` fails and ``+ decode top-n`` succeeds, the window does not predict what the answer tokens attend to
+besides the needle. This is a quality study, not a speed benchmark; it takes about 3 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mmaccel.eval.haystack import make_niah_sample, score_answer
+from mmaccel.kernels import attention_column_scores
+from mmaccel.longctx import SnapKV
+from mmaccel.longctx.base import window_queries
+from mmaccel.longctx.snapkv import snapkv_keep_indices
+from mmaccel.models import load
+
+
+@dataclass
+class _SnapKVStudy(SnapKV):
+    """SnapKV on a subset of layers, optionally forcing given positions (per query head) into the kept set."""
+
+    layers: tuple | None = None  # None = every layer
+    forced: dict = field(default_factory=dict)  # layer -> LongTensor [Hq, n] or [n] prompt positions
+
+    def _compress(self, module, layer, hidden_states, position_embeddings, attention_mask) -> None:
+        if self.layers is not None and module.layer_idx not in self.layers:
+            return
+        queries = window_queries(module, hidden_states, position_embeddings, self.window)
+        scores = attention_column_scores(queries, layer.keys, causal=True, reduce="sum", scaling=module.scaling)
+        pos = self.forced.get(module.layer_idx)
+        if pos is not None:
+            pos = pos.to(scores.device).expand(scores.shape[1], -1)
+            scores[0].scatter_(-1, pos, torch.finfo(scores.dtype).max)
+        keep = snapkv_keep_indices(
+            scores, budget=self.budget, window=self.window, num_kv_heads=layer.keys.shape[1],
+            kernel_size=self.kernel_size, pooling=self.pooling,
+        )
+        layer.keep(keep)
+
+
+def _answer(model, tok, ids: list[int], method) -> str:
+    inp = torch.tensor([ids])
+    cache = method.make_cache(model) if method is not None else None
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                inp, attention_mask=torch.ones_like(inp), past_key_values=cache, max_new_tokens=8, do_sample=False
+            )
+    finally:
+        if cache is not None:
+            cache.close()
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def _decode_attention(model_eager, tok, sample) -> dict[int, torch.Tensor]:
+    """Per layer, [Hq, P]: the largest attention any answer token (teacher-forced) pays each prompt position."""
+    prompt = len(sample.input_ids)
+    ids = sample.input_ids + tok.encode(" " + sample.answer, add_special_tokens=False)
+    with torch.no_grad():
+        out = model_eager(torch.tensor([ids]), output_attentions=True)
+    return {i: a[0, :, prompt - 1:, :prompt].amax(1) for i, a in enumerate(out.attentions)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="micro-lm")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--depth", type=float, default=0.5)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--out", default=None, help="write the per-condition results as JSON here")
+    args = ap.parse_args(argv)
+
+    model, tok = load(args.model, device="cpu")
+    model_eager, _ = load(args.model, device="cpu", attn_implementation="eager")
+    n_layers = model.config.num_hidden_layers
+    samples = [make_niah_sample(tok, args.length, args.depth, seed=s) for s in range(args.seeds)]
+    snap = dict(budget=args.budget, window=args.window)
+
+    results: dict[str, list[bool]] = {}
+
+    def record(name: str, sample, method) -> None:
+        results.setdefault(name, []).append(score_answer(_answer(model, tok, sample.input_ids, method), sample.answer))
+
+    for sample in samples:
+        record("full", sample, None)
+        record("snapkv", sample, SnapKV(**snap))
+        for layer in range(n_layers):
+            record(f"snapkv layer {layer} only", sample, _SnapKVStudy(**snap, layers=(layer,)))
+    worst = min(range(n_layers), key=lambda i: sum(results[f"snapkv layer {i} only"]))
+    budgets = [b for b in (512, 1024, 2048) if b < args.length]
+    for sample in samples:
+        for budget in budgets:
+            record(f"snapkv layer {worst} only, budget {budget}", sample,
+                   _SnapKVStudy(budget=budget, window=args.window, layers=(worst,)))
+        needle_len = len(tok.encode(" " + sample.needles[0].text(), add_special_tokens=False))
+        needle = torch.arange(sample.needle_position, sample.needle_position + needle_len)
+        record("snapkv + needle", sample, _SnapKVStudy(**snap, forced=dict.fromkeys(range(n_layers), needle)))
+        decode = _decode_attention(model_eager, tok, sample)
+        for n in (1, 4):
+            forced = {i: a.topk(n, dim=-1).indices for i, a in decode.items()}
+            record(f"snapkv + decode top-{n}", sample, _SnapKVStudy(**snap, forced=forced))
+            record(f"snapkv layer {worst} only + decode top-{n}", sample,
+                   _SnapKVStudy(**snap, layers=(worst,), forced={worst: forced[worst]}))
+
+    print(f"{args.model}, {args.length} tokens, depth {args.depth}, {args.seeds} seeds, "
+          f"snapkv budget {args.budget} window {args.window}")
+    print("| condition | correct |\n| --- | ---: |")
+    for name, hits in results.items():
+        print(f"| {name} | {sum(hits)}/{len(hits)} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
