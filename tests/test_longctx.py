@@ -267,11 +267,36 @@ def test_snapkv_batch_rows_are_compressed_independently(sdpa):
             torch.testing.assert_close(layer.keys[row], ref.keys[0])
 
 
-def test_snapkv_refuses_padded_batch(sdpa):
+@pytest.mark.parametrize("method", [SnapKV(budget=8, window=2), StreamingLLM(sink=2, window=8)], ids=["snapkv", "streaming"])
+def test_refuses_padded_batch(sdpa, method):
     ids = _prompt(24, seed=13, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    cache = SnapKV(budget=8, window=2).make_cache(sdpa)
+    cache = method.make_cache(sdpa)
     with pytest.raises(ValueError, match="padded batch"):
         sdpa(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     cache.close()
+    assert len(sdpa.model.layers[0].self_attn._forward_hooks) == 0
+
+
+def test_streaming_without_sinks_is_exact_on_a_left_padded_batch(sdpa):
+    """sink=0 (a sliding window) with left padding: each row generates what it generates alone, unpadded."""
+    ids = _prompt(24, seed=17, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    method = StreamingLLM(sink=0, window=8)  # evicts at prefill and at every decode step
+    out = sdpa.generate(ids, attention_mask=mask, past_key_values=method.make_cache(sdpa), max_new_tokens=6,
+                        do_sample=False)
+    for row, start in ((0, 0), (1, 3)):
+        alone = ids[row : row + 1, start:]
+        ref = sdpa.generate(alone, attention_mask=torch.ones_like(alone), past_key_values=method.make_cache(sdpa),
+                            max_new_tokens=6, do_sample=False)
+        assert torch.equal(out[row, 24:], ref[0, alone.shape[1]:])
+
+
+def test_streaming_unpadded_batch_has_no_hooks_left(sdpa):
+    ids = _prompt(24, seed=19, batch=2)
+    cache = StreamingLLM(sink=2, window=8).make_cache(sdpa)
+    sdpa(ids, past_key_values=cache, use_cache=True)
+    assert cache.hooks_attached == 0
+    assert [layer.held for layer in cache.layers] == [10] * LAYERS

@@ -20,8 +20,9 @@ per step, independently of the cache length, and a hand-written loop that omits 
 causal mask lets every query see every held slot plus the causal part of its own chunk.
 
 Batch > 1: rows are compressed independently (per row and per KV head); all rows hold the same number of slots.
-With left padding the 2-D padding mask can no longer be lined up with the held slots after an eviction, so padded
-batches are only exact until the first eviction (SnapKV refuses them; see its docstring).
+With left padding the 2-D padding mask is lined up with the *last* held slots (``get_mask_sizes``' offset), which is
+right only when a method keeps a contiguous recent window. So SnapKV and StreamingLLM with sinks refuse padded
+batches with a clear error (:func:`has_padding`); StreamingLLM with ``sink=0`` is exact with padding.
 """
 from __future__ import annotations
 
@@ -59,6 +60,21 @@ def kv_cache_bytes(cache: Cache) -> int:
             if isinstance(tensor, torch.Tensor):
                 total += tensor.nbytes
     return int(total)
+
+
+def has_padding(attention_mask) -> bool:
+    """Whether a decoder layer's prepared 4-D attention mask hides any key from the last query (a padded batch).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor or None
+        [B, 1, q, k] boolean (True = attend) or additive float mask, as attention modules receive it; anything
+        else (``None`` for an unpadded SDPA batch) counts as unpadded.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return False
+    last = attention_mask[..., -1, :]
+    return bool((~last).any()) if last.dtype == torch.bool else bool((last != 0).any())
 
 
 def held_tokens(layer) -> int:

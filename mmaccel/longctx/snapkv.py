@@ -15,6 +15,7 @@ from .base import (
     KVMethod,
     KVMethodCache,
     _check_int,
+    has_padding,
     mean_over_query_groups,
     topk_keep_indices,
     window_queries,
@@ -56,14 +57,6 @@ def snapkv_keep_indices(
         prefix = pool(flat, kernel_size, stride=1, padding=kernel_size // 2).reshape(B, Hq, -1)
     per_kv_head = mean_over_query_groups(prefix, num_kv_heads)
     return topk_keep_indices(per_kv_head, budget - window, tail=window)
-
-
-def _has_padding(attention_mask) -> bool:
-    """Whether a prepared 4-D mask hides any key from the last query (i.e. the batch is padded)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return False
-    last = attention_mask[..., -1, :]
-    return bool((~last).any()) if last.dtype == torch.bool else bool((last != 0).any())
 
 
 @dataclass
@@ -138,7 +131,7 @@ class SnapKV(KVMethod):
         length = layer.held
         if length <= self.budget:
             return
-        if _has_padding(attention_mask):
+        if has_padding(attention_mask):
             raise ValueError(
                 "snapkv cannot compress a padded batch (left padding would be scored and mis-masked); "
                 "run prompts one at a time or with equal lengths"

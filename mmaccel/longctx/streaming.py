@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictingLayer, KVMethod, _check_int
+from .base import EvictingLayer, KVMethod, KVMethodCache, _check_int, attention_modules, has_padding
 
 
 class SinkWindowLayer(EvictingLayer):
@@ -58,13 +58,15 @@ class StreamingLLM(KVMethod):
     Each layer holds at most ``sink + window`` slots of [B, Hkv, ., D] K/V after every forward. The prompt attends
     fully; decode tokens see ``sink + window`` slots plus themselves. Positions stay the true ones (keys are cached
     after RoPE; ``generate`` passes true ``position_ids``). Batch > 1 keeps the same slots in every row, which is
-    exact without padding; with left padding the sinks of shorter rows are pad tokens and the padding mask is
-    misaligned after the first eviction, so use batch=1 or equal-length rows.
+    exact without padding. With left padding the sinks of shorter rows would be pad tokens and the padding mask would
+    be misaligned after the first eviction, so with ``sink > 0`` a padded batch is refused at prefill (a forward hook
+    on each self-attention module of the model checks the mask once and removes itself); ``sink=0`` (a plain sliding
+    window) stays exact with padding.
 
     Raises
     ------
     ValueError
-        If ``window < 1`` or ``sink < 0``.
+        If ``window < 1`` or ``sink < 0``; during prefill, for a left-padded batch when ``sink > 0``.
     """
 
     window: int = 256
@@ -78,3 +80,18 @@ class StreamingLLM(KVMethod):
 
     def make_layer(self, layer_idx: int) -> SinkWindowLayer:
         return SinkWindowLayer(sink=self.sink, window=self.window)
+
+    def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
+        """A fresh cache; with ``sink > 0`` it refuses padded batches at prefill (see Notes)."""
+        cache = KVMethodCache(model, self.make_layer, method=self)
+        if self.sink and attention_modules(model):
+            cache.observe_prefill(model, self._refuse_padding)
+        return cache
+
+    def _refuse_padding(self, module, layer, hidden_states, position_embeddings, attention_mask) -> None:
+        if has_padding(attention_mask):
+            raise ValueError(
+                "streaming cannot keep attention sinks in a padded batch (the sinks of shorter rows would be pad "
+                "tokens, and the padding mask no longer lines up once tokens are evicted); run prompts one at a time "
+                "or with equal lengths, or use streaming:sink=0"
+            )
