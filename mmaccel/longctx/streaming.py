@@ -59,9 +59,9 @@ class StreamingLLM(KVMethod):
     fully; decode tokens see ``sink + window`` slots plus themselves. Positions stay the true ones (keys are cached
     after RoPE; ``generate`` passes true ``position_ids``). Batch > 1 keeps the same slots in every row, which is
     exact without padding. With left padding the sinks of shorter rows would be pad tokens and the padding mask would
-    be misaligned after the first eviction, so with ``sink > 0`` a padded batch is refused at prefill (a forward hook
-    on each self-attention module of the model checks the mask once and removes itself); ``sink=0`` (a plain sliding
-    window) stays exact with padding.
+    be misaligned after the first eviction, so with ``sink > 0`` a padded batch is refused at prefill: in Llama-style
+    decoders a forward hook on each self-attention module of the model checks the mask once and removes itself.
+    ``sink=0`` (a plain sliding window) stays exact with padding.
 
     Raises
     ------

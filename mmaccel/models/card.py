@@ -105,7 +105,7 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     if (out / "snapkv_diagnosis.json").exists():
         study = json.loads((out / "snapkv_diagnosis.json").read_text())
         a = study["args"]
-        rows = [[name, f"{sum(hits)}/{len(hits)}"] for name, hits in study["results"].items()]
+        rows = [[condition, f"{sum(hits)}/{len(hits)}"] for condition, hits in study["results"].items()]
         kv_md = (
             "\n## Under SnapKV (`benchmarks/snapkv_diagnosis.py`)\n"
             f"{a['length']} tokens, needle depth {a['depth']}, {a['seeds']} seeds, SnapKV budget {a['budget']}, "
