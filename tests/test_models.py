@@ -127,3 +127,24 @@ def test_train_with_a_recipe_override(tmp_path):
     model, tok = load(str(tmp_path), device="cpu")
     assert model.config.num_hidden_layers == zoo_mod.ZOO["micro-draft"].model_config["num_hidden_layers"]
     assert tok.bos_token_id == 1
+
+
+def test_model_card_renders_committed_results(tmp_path):
+    """The card is built from the files in the model folder: training log, NIAH summaries, the SnapKV study."""
+    import shutil
+
+    from mmaccel.models.card import write_model_card
+
+    src = zoo_mod.zoo_path("micro-draft")
+    for f in ("train_log.json", "config.json", "model.safetensors"):
+        shutil.copy(src / f, tmp_path / f)
+    cell = {"length": 1024, "depth": 0.5, "accuracy": 0.7, "n": 10}
+    (tmp_path / "niah_kv").mkdir()
+    (tmp_path / "niah_kv" / "summary.json").write_text(json.dumps({"methods": {"snapkv:budget=256": {"cells": [cell]}}}))
+    study = {"args": {"length": 4096, "depth": 0.5, "seeds": 8, "budget": 256, "window": 32},
+             "results": {"full": [True] * 8, "snapkv layer 1 only": [True, False] * 4}}
+    (tmp_path / "snapkv_diagnosis.json").write_text(json.dumps(study))
+    text = write_model_card("micro-draft", tmp_path).read_text()
+    assert "`snapkv:budget=256`:" in text and "| 0.50 | 70% (10) |" in text
+    assert "| snapkv layer 1 only | 4/8 |" in text and "| full | 8/8 |" in text
+    assert "| facts per document |" in text

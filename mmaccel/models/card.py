@@ -102,11 +102,21 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
             niah_md += "\n\nBeyond the trained lengths (8k):\n\n" + niah_table(extra) + "\n\n"
             niah_md += _NIAH_COMMAND.format(name=name, out="niah_8k", lengths="8192")
     kv_md = ""
+    if (out / "niah_kv" / "summary.json").exists():
+        kv_summary = json.loads((out / "niah_kv" / "summary.json").read_text())
+        kv_md += "\n## Needle-in-a-haystack under KV-cache methods (greedy, exact match)\n"
+        for method in kv_summary.get("methods", {}):
+            kv_md += f"\n`{method}`:\n\n" + niah_table(kv_summary, method) + "\n"
+        kv_md += (
+            f"\nCommand: `mmaccel niah --model {name} --methods {' '.join(kv_summary.get('methods', {}))} "
+            f"--lengths 512 1024 2048 4096 --depths 0 0.25 0.5 0.75 1 --trials 10 --warmup 0 "
+            f"--out assets/models/{name}/niah_kv`. Heatmaps and per-trial records are in `niah_kv/`.\n"
+        )
     if (out / "snapkv_diagnosis.json").exists():
         study = json.loads((out / "snapkv_diagnosis.json").read_text())
         a = study["args"]
         rows = [[condition, f"{sum(hits)}/{len(hits)}"] for condition, hits in study["results"].items()]
-        kv_md = (
+        kv_md += (
             "\n## Under SnapKV (`benchmarks/snapkv_diagnosis.py`)\n"
             f"{a['length']} tokens, needle depth {a['depth']}, {a['seeds']} seeds, SnapKV budget {a['budget']}, "
             f"window {a['window']}; greedy, exact match. \"layer L only\" compresses one layer and leaves the others "
