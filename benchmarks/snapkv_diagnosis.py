@@ -109,6 +109,7 @@ def main(argv=None) -> int:
             record(f"snapkv layer {layer} only", sample, _SnapKVStudy(**snap, layers=(layer,)))
     worst = min(range(n_layers), key=lambda i: sum(results[f"snapkv layer {i} only"]))
     budgets = [b for b in (512, 1024, 2048) if b < args.length]
+    targets = {"layer": worst, "in_needle": 0, "total": 0, "distance_from_end": []}
     for sample in samples:
         for budget in budgets:
             record(f"snapkv layer {worst} only, budget {budget}", sample,
@@ -117,6 +118,11 @@ def main(argv=None) -> int:
         needle = torch.arange(sample.needle_position, sample.needle_position + needle_len)
         record("snapkv + needle", sample, _SnapKVStudy(**snap, forced=dict.fromkeys(range(n_layers), needle)))
         decode = _decode_attention(model_eager, tok, sample)
+        top4 = decode[worst].topk(4, dim=-1).indices.flatten()
+        in_needle = (top4 >= needle[0]) & (top4 <= needle[-1])
+        targets["in_needle"] += int(in_needle.sum())
+        targets["total"] += top4.numel()
+        targets["distance_from_end"] += (len(sample.input_ids) - top4[~in_needle]).tolist()
         for n in (1, 4):
             forced = {i: a.topk(n, dim=-1).indices for i, a in decode.items()}
             record(f"snapkv + decode top-{n}", sample, _SnapKVStudy(**snap, forced=forced))
@@ -128,9 +134,18 @@ def main(argv=None) -> int:
     print("| condition | correct |\n| --- | ---: |")
     for name, hits in results.items():
         print(f"| {name} | {sum(hits)}/{len(hits)} |")
+    dist = sorted(targets["distance_from_end"])
+    median = dist[len(dist) // 2] if dist else None
+    print(f"layer {worst}: {targets['in_needle']}/{targets['total']} of the answer tokens' top-4 positions per head "
+          f"are in the needle; the others lie a median {median} tokens before the end of the prompt")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps(
+            {"args": vars(args), "results": results,
+             "worst_layer_decode_targets": {**targets, "median_distance_from_end": median,
+                                            "distance_from_end": None}},
+            indent=1,
+        ))
     return 0
 
 
