@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,12 +73,23 @@ def _answer(model, tok, ids: list[int], method) -> str:
 
 
 def _decode_attention(model_eager, tok, sample) -> dict[int, torch.Tensor]:
-    """Per layer, [Hq, P]: the largest attention any answer token (teacher-forced) pays each prompt position."""
+    """Per layer, [Hq, S, P]: the attention each of the ``S`` answer steps (teacher-forced; step 0 is the last prompt
+    token) pays each prompt position."""
     prompt = len(sample.input_ids)
     ids = sample.input_ids + tok.encode(" " + sample.answer, add_special_tokens=False)
     with torch.no_grad():
         out = model_eager(torch.tensor([ids]), output_attentions=True)
-    return {i: a[0, :, prompt - 1:, :prompt].amax(1) for i, a in enumerate(out.attentions)}
+    return {i: a[0, :, prompt - 1:, :prompt] for i, a in enumerate(out.attentions)}
+
+
+def _wrong_digit_positions(generated: list[str], expected: list[str]) -> list[int]:
+    """Per answer position (1-based digit index), how many generated answers have a wrong (or missing) digit there."""
+    counts = [0] * max(len(e) for e in expected)
+    for text, answer in zip(generated, expected):
+        digits = re.search(r"\d*", text).group(0)
+        for i, want in enumerate(answer):
+            counts[i] += i >= len(digits) or digits[i] != want
+    return counts
 
 
 def main(argv=None) -> int:
@@ -98,9 +110,12 @@ def main(argv=None) -> int:
     snap = dict(budget=args.budget, window=args.window)
 
     results: dict[str, list[bool]] = {}
+    answers: dict[str, list[str]] = {}
 
     def record(name: str, sample, method) -> None:
-        results.setdefault(name, []).append(score_answer(_answer(model, tok, sample.input_ids, method), sample.answer))
+        text = _answer(model, tok, sample.input_ids, method)
+        answers.setdefault(name, []).append(text.strip())
+        results.setdefault(name, []).append(score_answer(text, sample.answer))
 
     for sample in samples:
         record("full", sample, None)
@@ -109,7 +124,7 @@ def main(argv=None) -> int:
             record(f"snapkv layer {layer} only", sample, _SnapKVStudy(**snap, layers=(layer,)))
     worst = min(range(n_layers), key=lambda i: sum(results[f"snapkv layer {i} only"]))
     budgets = [b for b in (512, 1024, 2048) if b < args.length]
-    targets = {"layer": worst, "in_needle": 0, "total": 0, "distance_from_end": []}
+    targets = {"layer": worst, "in_needle": 0, "total": 0, "distance_from_end": [], "per_step_in_needle": {}}
     for sample in samples:
         for budget in budgets:
             record(f"snapkv layer {worst} only, budget {budget}", sample,
@@ -118,6 +133,13 @@ def main(argv=None) -> int:
         needle = torch.arange(sample.needle_position, sample.needle_position + needle_len)
         record("snapkv + needle", sample, _SnapKVStudy(**snap, forced=dict.fromkeys(range(n_layers), needle)))
         decode = _decode_attention(model_eager, tok, sample)
+        per_step = decode[worst].topk(4, dim=-1).indices  # [Hq, S, 4]
+        for step in range(per_step.shape[1]):
+            idx = per_step[:, step].flatten()
+            row = targets["per_step_in_needle"].setdefault(step, [0, 0])
+            row[0] += int(((idx >= needle[0]) & (idx <= needle[-1])).sum())
+            row[1] += idx.numel()
+        decode = {i: a.amax(1) for i, a in decode.items()}  # [Hq, P]: the most any answer step pays
         top4 = decode[worst].topk(4, dim=-1).indices.flatten()
         in_needle = (top4 >= needle[0]) & (top4 <= needle[-1])
         targets["in_needle"] += int(in_needle.sum())
@@ -134,6 +156,10 @@ def main(argv=None) -> int:
     print("| condition | correct |\n| --- | ---: |")
     for name, hits in results.items():
         print(f"| {name} | {sum(hits)}/{len(hits)} |")
+    wrong_digits = _wrong_digit_positions(answers["snapkv"], [s.answer for s in samples])
+    print(f"layer {worst}, share of the top-4 positions per head in the needle, by answer step: "
+          + ", ".join(f"{k}: {a}/{b}" for k, a, b in ((k, *v) for k, v in targets["per_step_in_needle"].items())))
+    print(f"snapkv answers: {answers['snapkv']} (wrong digits per answer position: {wrong_digits})")
     dist = sorted(targets["distance_from_end"])
     median = dist[len(dist) // 2] if dist else None
     print(f"layer {worst}: {targets['in_needle']}/{targets['total']} of the answer tokens' top-4 positions per head "
@@ -141,7 +167,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(
-            {"args": vars(args), "results": results,
+            {"args": vars(args), "results": results, "snapkv_answers": answers["snapkv"],
+             "expected_answers": [s.answer for s in samples], "snapkv_wrong_digit_positions": wrong_digits,
              "worst_layer_decode_targets": {**targets, "median_distance_from_end": median,
                                             "distance_from_end": None}},
             indent=1,

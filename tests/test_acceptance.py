@@ -41,8 +41,9 @@ def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="known gap (issue 2): on micro-lm, SnapKV at budget 256 keeps the needle's digits in layers 0-1 but not in "
-    "layers 2-3, and answers a near miss (e.g. 84626 for 84426); 2/8 seeds correct at 4k, 4/8 at budget 512",
+    reason="known gap (issue 2): micro-lm's layer-1 heads attend, while generating digits 2-3 of the answer, to "
+    "haystack tokens that SnapKV's question window does not point at; SnapKV at budget 256 answers 2/8 seeds at 4k "
+    "(see benchmarks/snapkv_diagnosis.py and the micro-lm card)",
 )
 def test_snapkv_256_answers_the_4k_needle(micro_lm):
     model, tok = micro_lm

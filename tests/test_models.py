@@ -142,9 +142,15 @@ def test_model_card_renders_committed_results(tmp_path):
     (tmp_path / "niah_kv").mkdir()
     (tmp_path / "niah_kv" / "summary.json").write_text(json.dumps({"methods": {"snapkv:budget=256": {"cells": [cell]}}}))
     study = {"args": {"length": 4096, "depth": 0.5, "seeds": 8, "budget": 256, "window": 32},
-             "results": {"full": [True] * 8, "snapkv layer 1 only": [True, False] * 4}}
+             "results": {"full": [True] * 8, "snapkv layer 1 only": [True, False] * 4},
+             "snapkv_answers": ["36116", "31416"], "expected_answers": ["31416", "31416"],
+             "snapkv_wrong_digit_positions": [0, 1, 1, 0, 0],
+             "worst_layer_decode_targets": {"layer": 1, "median_distance_from_end": 900,
+                                            "per_step_in_needle": {"0": [0, 24], "1": [5, 24]}}}
     (tmp_path / "snapkv_diagnosis.json").write_text(json.dumps(study))
     text = write_model_card("micro-draft", tmp_path).read_text()
     assert "`snapkv:budget=256`:" in text and "| 0.50 | 70% (10) |" in text
     assert "| snapkv layer 1 only | 4/8 |" in text and "| full | 8/8 |" in text
     assert "| facts per document |" in text
+    assert "wrong digits by position: digit 1: 0, digit 2: 1, digit 3: 1" in text
+    assert "step 0: 0/24; step 1: 5/24" in text and "median 900 tokens" in text

@@ -47,6 +47,22 @@ def _facts(max_needles: int) -> str:
     return "1" if max_needles == 1 else f"1-{max_needles}"
 
 
+def _snapkv_study_findings(study: dict) -> str:
+    """The study's per-digit and per-step findings as sentences ('' for a study file without them)."""
+    text = ""
+    if "snapkv_wrong_digit_positions" in study:
+        wrong = ", ".join(f"digit {i + 1}: {n}" for i, n in enumerate(study["snapkv_wrong_digit_positions"]))
+        text += (f"\n\nSnapKV's answers {', '.join(study['snapkv_answers'])} (expected "
+                 f"{', '.join(study['expected_answers'])}); wrong digits by position: {wrong}.")
+    targets = study.get("worst_layer_decode_targets", {})
+    if targets.get("per_step_in_needle"):
+        steps = "; ".join(f"step {k}: {a}/{b}" for k, (a, b) in targets["per_step_in_needle"].items())
+        text += (f" Layer {targets['layer']}'s 4 most-attended prompt positions per query head that lie in the needle, "
+                 f"by answer step (step 0 is the last prompt token, which predicts digit 1): {steps}; the others lie "
+                 f"a median {targets['median_distance_from_end']} tokens before the end of the prompt.")
+    return text
+
+
 def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     """Write ``README.md`` for zoo model ``name`` from ``train_log.json`` and, when present, ``niah/summary.json``.
 
@@ -123,6 +139,7 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
             "full; \"+ needle\" adds the needle's tokens to SnapKV's selection in every layer; \"+ decode top-n\" adds, "
             "per query head, the n prompt positions the answer tokens attend to most under full attention.\n\n"
             + _fmt_table(["condition", "correct"], rows)
+            + _snapkv_study_findings(study)
             + f"\n\nCommand: `python benchmarks/snapkv_diagnosis.py --model {name} --out "
             f"assets/models/{name}/snapkv_diagnosis.json`.\n"
         )
