@@ -82,6 +82,11 @@ def _decode_attention(model_eager, tok, sample) -> dict[int, torch.Tensor]:
     return {i: a[0, :, prompt - 1:, :prompt] for i, a in enumerate(out.attentions)}
 
 
+def _in_needle(positions: torch.Tensor, needle: torch.Tensor) -> torch.Tensor:
+    """Bool mask: which prompt ``positions`` fall inside the needle's contiguous span ``needle``."""
+    return (positions >= needle[0]) & (positions <= needle[-1])
+
+
 def _wrong_digit_positions(generated: list[str], expected: list[str]) -> list[int]:
     """Per answer position (1-based digit index), how many generated answers have a wrong (or missing) digit there."""
     counts = [0] * max(len(e) for e in expected)
@@ -137,11 +142,11 @@ def main(argv=None) -> int:
         for step in range(per_step.shape[1]):
             idx = per_step[:, step].flatten()
             row = targets["per_step_in_needle"].setdefault(step, [0, 0])
-            row[0] += int(((idx >= needle[0]) & (idx <= needle[-1])).sum())
+            row[0] += int(_in_needle(idx, needle).sum())
             row[1] += idx.numel()
         decode = {i: a.amax(1) for i, a in decode.items()}  # [Hq, P]: the most any answer step pays
         top4 = decode[worst].topk(4, dim=-1).indices.flatten()
-        in_needle = (top4 >= needle[0]) & (top4 <= needle[-1])
+        in_needle = _in_needle(top4, needle)
         targets["in_needle"] += int(in_needle.sum())
         targets["total"] += top4.numel()
         targets["distance_from_end"] += (len(sample.input_ids) - top4[~in_needle]).tolist()

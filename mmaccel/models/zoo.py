@@ -131,7 +131,7 @@ ZOO: dict[str, ZooEntry] = {
             "all of them): answering teacher-forced from that restricted view stayed at 0-1/8 (3/8 with 5% of the rest "
             "kept) and SnapKV at 1/8, so the digit copying reads haystack context and does not unlearn it quickly. "
             "(d) The same recipe with 6 layers instead of 4: no retrieval at all after 1,000 steps (answer loss 1.64). "
-            "SnapKV's wrong answers are wrong in digits 2 and 3 only (the table's study): the first digit is predicted "
+            "SnapKV's wrong answers are wrong in digits 2 and 3 only (study below): the first digit is predicted "
             "by the last prompt token during prefill, which attends fully."
         ),
     ),
