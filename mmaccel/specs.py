@@ -87,7 +87,28 @@ def build_from_registry(spec: str | MethodSpec, registry: Mapping[str, type], ki
             "(syntax: name:key=value, e.g. snapkv:budget=256)"
         )
     cls = registry[parsed.name]
+    valid = accepted_keys(cls)
+    unknown = [k for k in parsed.kwargs if valid is not None and k not in valid]
+    if unknown:
+        keys = ", ".join(valid) if valid else "none"
+        raise ValueError(
+            f"{kind} {parsed.name!r} has no argument {', '.join(map(repr, unknown))}; valid keys: {keys} "
+            f"(in {parsed.text!r})"
+        )
     try:
         return cls(**parsed.kwargs)
     except TypeError as exc:
         raise ValueError(f"bad arguments for {kind} {parsed.name!r} in {parsed.text!r}: {exc}") from exc
+
+
+def accepted_keys(cls) -> list[str] | None:
+    """The keyword arguments ``cls(...)`` takes, in order (``None`` when it takes ``**kwargs``, i.e. any key)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

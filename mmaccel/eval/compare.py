@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .generation import RunRecord, as_input_ids, generate_measured, resolve_methods
-from .haystack import NIAHSample, score_answer
+from .haystack import NIAHSample, score_answer, score_answer_contains
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_METHODS = ("full", "snapkv", "streaming")
+DEFAULT_METHODS = ("full", "snapkv:budget=1024", "streaming:window=1024")
 
 
 def format_bytes(n: int | None) -> str:
@@ -120,10 +120,11 @@ def compare(
     inputs,
     methods: Sequence = DEFAULT_METHODS,
     *,
-    max_new_tokens: int = 16,
+    max_new_tokens: int = 32,
     repeats: int = 1,
     warmup: int = 1,
     answer: str | None = None,
+    warmup_inputs=None,
 ) -> Comparison:
     """Run each method in turn on the same input and collect one :class:`RunRecord` per method.
 
@@ -134,12 +135,15 @@ def compare(
     inputs : str, list of int, torch.Tensor [L] or [1, L], or NIAHSample
         One prompt. A NIAH sample also supplies the expected answer.
     methods : sequence of str or KVMethod
-        Specs such as ``["full", "snapkv:budget=256", "streaming:window=256"]`` (default ``full snapkv streaming``).
+        Specs such as ``["full", "snapkv:budget=256", "streaming:window=256"]`` (default :data:`DEFAULT_METHODS`).
     max_new_tokens, repeats, warmup : int
         See :func:`~mmaccel.eval.generation.generate_measured`.
     answer : str, optional
-        Expected answer; when known (given or from a NIAH sample) each record gets ``extra["answer"]`` and
-        ``extra["correct"]`` (exact match, :func:`~mmaccel.eval.haystack.score_answer`).
+        Expected answer; when known (given or from a NIAH sample) each record gets ``extra["answer"]``,
+        ``extra["correct"]`` (strict: the first number is the answer, :func:`~mmaccel.eval.haystack.score_answer`)
+        and ``extra["correct_contains"]`` (the answer appears anywhere).
+    warmup_inputs : prompt, optional
+        What warm-up runs use (e.g. a short prompt); default ``inputs`` itself.
 
     Returns
     -------
@@ -155,7 +159,8 @@ def compare(
     info: dict = {}
     if isinstance(inputs, NIAHSample):
         answer = answer if answer is not None else inputs.answer
-        info.update(length=inputs.length, depth=inputs.depth, key=inputs.key, needle_position=inputs.needle_position)
+        info.update(length=inputs.length, depth=inputs.depth, key=inputs.key, needle_position=inputs.needle_position,
+                    chat_template=inputs.chat_template)
     ids = as_input_ids(inputs, tokenizer)
     info["prompt_tokens"] = int(ids.shape[1])
     records = []
@@ -163,9 +168,12 @@ def compare(
         logger.info("compare: running %s on %d tokens", label, ids.shape[1])
         rec = generate_measured(
             model, tokenizer, ids, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
-            warmup=warmup,
+            warmup=warmup, warmup_ids=warmup_inputs,
         )
+        if "chat_template" in info:
+            rec.extra["chat_template"] = info["chat_template"]
         if answer is not None:
-            rec.extra.update(answer=answer, correct=rec.ok and score_answer(rec.output_text, answer))
+            rec.extra.update(answer=answer, correct=rec.ok and score_answer(rec.output_text, answer),
+                             correct_contains=rec.ok and score_answer_contains(rec.output_text, answer))
         records.append(rec)
     return Comparison(records=records, answer=answer, inputs=info)

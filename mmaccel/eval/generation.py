@@ -30,6 +30,7 @@ prefill (at the first probe call, i.e. after any prefill-time compression) and w
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -82,6 +83,13 @@ class RunRecord:
         Measured and warm-up runs behind the medians.
     device : str
         Device of the model, e.g. ``"cpu"`` or ``"cuda:0"``.
+    dtype : str
+        Dtype of the model's parameters, e.g. ``"torch.float32"``.
+    threads : int
+        ``torch.get_num_threads()`` during the run (CPU timings depend on it).
+    load_avg_1m : float or None
+        The machine's 1-minute load average when the run started (``os.getloadavg``): a busy machine explains slow
+        timings. ``None`` where the OS has none.
     samples : list of dict
         Per measured run: ``ttft_s``, ``decode_s``, ``tokens_per_s``, ``peak_memory_bytes``.
     extra : dict
@@ -107,6 +115,9 @@ class RunRecord:
     repeats: int = 0
     warmup: int = 0
     device: str = ""
+    dtype: str = ""
+    threads: int = 0
+    load_avg_1m: float | None = None
     samples: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
@@ -274,6 +285,14 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
             close()  # remove any hooks a failed run left on the model
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or ``None`` where the OS does not report one."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # pragma: no cover - Windows
+        return None
+
+
 def median_or_none(values):
     """Median of the non-``None`` values (an ``int`` when they all are ints); ``None`` if there are none."""
     values = [v for v in values if v is not None]
@@ -297,6 +316,7 @@ def generate_measured(
     max_new_tokens: int = 16,
     repeats: int = 1,
     warmup: int = 1,
+    warmup_ids=None,
 ) -> RunRecord:
     """Greedy-generate from one prompt with a KV-cache method and measure it.
 
@@ -319,6 +339,9 @@ def generate_measured(
         Measured runs; timings and peak memory are their medians.
     warmup : int
         Unrecorded runs before the measured ones.
+    warmup_ids : prompt, optional
+        What the warm-up runs use (same forms as ``input_ids``), e.g. a short prompt so that warming up a long-context
+        run does not cost a second full prefill. Default: ``input_ids`` itself.
 
     Returns
     -------
@@ -339,6 +362,7 @@ def generate_measured(
     method_obj, default_label = resolve_method(method)
     device = getattr(model, "device", torch.device("cpu"))
     ids = as_input_ids(input_ids, tokenizer).to(device)
+    warm_ids = ids if warmup_ids is None else as_input_ids(warmup_ids, tokenizer).to(device)
     record = RunRecord(
         method=label or default_label,
         method_name=getattr(method_obj, "name", None),
@@ -346,13 +370,17 @@ def generate_measured(
         repeats=repeats,
         warmup=warmup,
         device=str(device),
+        dtype=str(next(model.parameters()).dtype) if hasattr(model, "parameters") else "",
+        threads=torch.get_num_threads(),
     )
     gen_kwargs = _generation_kwargs(model, tokenizer)
     runs = []
     with torch.inference_mode():
         for i in range(warmup + repeats):
+            if i == warmup:
+                record.load_avg_1m = load_average()
             try:
-                run = _one_run(model, method_obj, ids, max_new_tokens, gen_kwargs)
+                run = _one_run(model, method_obj, warm_ids if i < warmup else ids, max_new_tokens, gen_kwargs)
             except Exception as exc:  # noqa: BLE001 - a failed run is data; the sweep goes on
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

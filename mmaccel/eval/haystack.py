@@ -21,6 +21,27 @@ from pathlib import Path
 
 NEEDLE_TEMPLATE = "The secret number of the {key} is {value}."
 QUESTION_TEMPLATE = "What is the secret number of the {key}? The secret number of the {key} is"
+# With a chat template the question ends the user's turn and the assistant's turn starts with an answer prefix
+# (RULER's layout, Hsieh et al., 2024), so the model answers rather than chats.
+CHAT_QUESTION_TEMPLATE = "What is the secret number of the {key}?"
+ANSWER_PREFIX_TEMPLATE = "The secret number of the {key} is"
+
+# Digit strings a language model knows by heart: a needle must not be (a prefix, rounding or piece of) one of them,
+# or a model can "answer" it without reading the document (SnapKV once answered 314159265 for 31416).
+_FAMOUS_DIGITS = (
+    "314159265358979323846",  # pi
+    "271828182845904523536",  # e
+    "141421356237309504880",  # sqrt 2
+    "173205080756887729352",  # sqrt 3
+    "161803398874989484820",  # golden ratio
+    "693147180559945309417",  # ln 2
+    "230258509299404568401",  # ln 10
+    "299792458",  # speed of light
+    "602214076",  # Avogadro
+    "662607015",  # Planck
+    "1234567890",
+    "9876543210",
+)
 
 _ADJECTIVES = (
     "red blue green black white silver golden purple orange yellow brown gray quiet loud rapid slow bright dark "
@@ -56,14 +77,43 @@ class Needle:
         return template.format(key=self.key, value=self.value)
 
 
+def is_memorable_number(value: str) -> bool:
+    """Whether a digit string is one a model may know without reading: a famous constant or a visible pattern.
+
+    True for a piece or a rounded prefix of a famous constant (pi, e, sqrt 2, ...; ``31416``, ``14159``), three equal
+    digits in a row (``40007``), four consecutive ascending or descending digits (``23456``), or a round number
+    (ending in ``000``).
+    """
+    if not value.isdigit():
+        return False
+    for famous in _FAMOUS_DIGITS:
+        if value in famous:
+            return True
+        if len(famous) > len(value):
+            rounded = str(int(famous[: len(value)]) + (famous[len(value)] >= "5"))
+            if rounded == value:
+                return True
+    if any(value[i] == value[i + 1] == value[i + 2] for i in range(len(value) - 2)):
+        return True
+    for step in (1, -1):
+        if any(all(int(value[i + j + 1]) - int(value[i + j]) == step for j in range(3)) for i in range(len(value) - 3)):
+            return True
+    return value.endswith("000")
+
+
 def random_needles(rng: random.Random, n: int = 1, digits: int = 5) -> list[Needle]:
-    """Draw ``n`` needles with distinct keys and random ``digits``-digit values (first digit non-zero)."""
+    """Draw ``n`` needles with distinct keys and random ``digits``-digit values.
+
+    Values have a non-zero first digit and are never memorable (:func:`is_memorable_number`): such a draw is redrawn.
+    """
     keys: set[str] = set()
     while len(keys) < n:
         keys.add(f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}")
     out = []
     for key in sorted(keys, key=lambda k: rng.random()):
-        value = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
+        value = "0"
+        while value.startswith("0") or is_memorable_number(value):
+            value = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
         out.append(Needle(key=key, value=value))
     return out
 
@@ -191,11 +241,14 @@ class NIAHSample:
     Attributes
     ----------
     input_ids : list of int
-        The whole prompt, ``length`` tokens, BOS first when the tokenizer has one.
+        The whole prompt, ``length`` tokens: BOS first when the tokenizer has one (plain prompts), or the chat
+        template's system/user prefix and assistant header around the document and question (chat prompts).
     answer : str
-        The needle's value; scoring is exact match of the first digits generated.
+        The needle's value; scoring is exact match of the first number generated (:func:`score_answer`).
     needle_position : int
         Token index where the needle starts.
+    chat_template : bool
+        Whether the prompt went through the tokenizer's chat template.
     """
 
     input_ids: list[int]
@@ -205,6 +258,58 @@ class NIAHSample:
     depth: float
     needle_position: int
     needles: list[Needle] = field(default_factory=list)
+    chat_template: bool = False
+
+
+def resolve_chat_template(tokenizer, mode: str | bool = "auto") -> bool:
+    """Decide whether prompts go through the tokenizer's chat template.
+
+    Parameters
+    ----------
+    mode : {"auto", "on", "off"} or bool
+        ``"auto"``: when the tokenizer has a chat template (instruct models); ``"on"``: always; ``"off"``: never.
+
+    Raises
+    ------
+    ValueError
+        For ``"on"`` with a tokenizer that has no chat template, or an unknown mode.
+    """
+    if isinstance(mode, bool):
+        mode = "on" if mode else "off"
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "auto":
+        return has
+    if mode == "on":
+        if not has:
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ValueError(
+                f"--chat-template on, but the tokenizer of {name!r} has no chat template: use --chat-template off "
+                "(or auto, which uses a template only when there is one)"
+            )
+        return True
+    if mode == "off":
+        return False
+    raise ValueError(f"unknown chat-template mode {mode!r}; use auto, on or off")
+
+
+_SLOT = "\u2063MMACCEL_DOCUMENT\u2063"
+
+
+def chat_wrapper_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids the chat template puts before and after one user message (with the assistant header after it).
+
+    Returns
+    -------
+    (prefix_ids, suffix_ids)
+        E.g. for ChatML: ``<|im_start|>system ... <|im_end|> <|im_start|>user`` and ``<|im_end|> <|im_start|>assistant``.
+    """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], add_generation_prompt=True,
+                                         tokenize=False)
+    before, sep, after = text.partition(_SLOT)
+    if not sep:
+        raise ValueError("the chat template does not render the user message verbatim; use --chat-template off")
+    encode = lambda t: tokenizer.encode(t, add_special_tokens=False) if t else []  # noqa: E731
+    return encode(before), encode(after)
 
 
 def make_niah_sample(
@@ -215,8 +320,10 @@ def make_niah_sample(
     seed: int = 0,
     haystack: HaystackTokens | None = None,
     needle_template: str = NEEDLE_TEMPLATE,
-    question_template: str = QUESTION_TEMPLATE,
+    question_template: str | None = None,
     digits: int = 5,
+    chat_template: bool = False,
+    answer_prefix: str | None = ANSWER_PREFIX_TEMPLATE,
 ) -> NIAHSample:
     """Build one NIAH prompt of exactly ``length`` tokens with the needle at relative ``depth``.
 
@@ -224,7 +331,7 @@ def make_niah_sample(
     ----------
     tokenizer : a Hugging Face tokenizer
     length : int
-        Prompt length in tokens (BOS, haystack, needle and question together).
+        Prompt length in tokens (BOS or chat-template tokens, haystack, needle and question together).
     depth : float
         Relative position of the needle in the haystack, 0.0 (start) to 1.0 (just before the question).
     seed : int
@@ -232,7 +339,14 @@ def make_niah_sample(
     haystack : HaystackTokens, optional
         Default: the held-out standard-library prose.
     needle_template, question_template : str
-        Format strings with ``{key}`` and ``{value}``.
+        Format strings with ``{key}`` and ``{value}``. Default question: :data:`QUESTION_TEMPLATE` (a sentence for the
+        model to complete) for plain prompts, :data:`CHAT_QUESTION_TEMPLATE` with a chat template.
+    chat_template : bool
+        Wrap document and question in the tokenizer's chat template as one user message, ending with the assistant
+        header (see :func:`resolve_chat_template`).
+    answer_prefix : str or None
+        With a chat template: the start of the assistant's answer, a format string with ``{key}`` (default
+        :data:`ANSWER_PREFIX_TEMPLATE`, as RULER does); ``None`` lets the assistant answer freely.
 
     Raises
     ------
@@ -242,29 +356,38 @@ def make_niah_sample(
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
+    if question_template is None:
+        question_template = CHAT_QUESTION_TEMPLATE if chat_template else QUESTION_TEMPLATE
     rng = random.Random(f"niah:{seed}:{length}:{depth}")
     hay = haystack if haystack is not None else _default_haystack(tokenizer)
     (needle,) = random_needles(rng, 1, digits)
     needle_ids = tokenizer.encode(" " + needle.text(needle_template), add_special_tokens=False)
     question_ids = tokenizer.encode("\n" + needle.question(question_template), add_special_tokens=False)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    n_hay = length - len(bos) - len(needle_ids) - len(question_ids)
-    minimum = len(bos) + len(needle_ids) + len(question_ids) + 16
-    if length < minimum:
+    if chat_template:
+        head, tail = chat_wrapper_ids(tokenizer)
+        if answer_prefix:
+            tail = tail + tokenizer.encode(answer_prefix.format(key=needle.key), add_special_tokens=False)
+    else:
+        head, tail = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
+    fixed = len(head) + len(needle_ids) + len(question_ids) + len(tail)
+    n_hay = length - fixed
+    if n_hay < 16:
         raise ValueError(
-            f"length {length} is smaller than the needle and question need: use a length of at least {minimum} tokens"
+            f"length {length} is smaller than the needle and question need: use a length of at least {fixed + 16} "
+            "tokens"
         )
     body = hay.span(n_hay, rng)
     pos = hay.boundary(body, round(depth * n_hay))
-    ids = bos + body[:pos] + needle_ids + body[pos:] + question_ids
+    ids = head + body[:pos] + needle_ids + body[pos:] + question_ids + tail
     return NIAHSample(
         input_ids=ids,
         answer=needle.value,
         key=needle.key,
         length=length,
         depth=depth,
-        needle_position=len(bos) + pos,
+        needle_position=len(head) + pos,
         needles=[needle],
+        chat_template=chat_template,
     )
 
 
@@ -279,6 +402,14 @@ def _default_haystack(tokenizer) -> HaystackTokens:
 
 
 def score_answer(generated: str, answer: str) -> bool:
-    """Exact match: the first run of digits in ``generated`` equals ``answer``."""
-    match = re.search(r"\d+", generated)
-    return bool(match) and match.group(0) == answer
+    """Strict exact match (the headline score): the first number in ``generated`` equals ``answer``.
+
+    Digits separated by ``,`` or ``_`` count as one number (``84,426`` is 84426).
+    """
+    match = re.search(r"\d[\d,_]*", generated)
+    return bool(match) and re.sub(r"[,_]", "", match.group(0)).rstrip(",_") == answer
+
+
+def score_answer_contains(generated: str, answer: str) -> bool:
+    """Lenient match (kvpress's rule): ``answer`` appears anywhere in ``generated``."""
+    return answer in generated

@@ -10,10 +10,13 @@ Output folder
 ``results.jsonl``
     One :class:`~mmaccel.eval.generation.RunRecord` per (method, length, depth, trial), written and flushed as soon as
     it exists, so nothing is lost if a later run dies. ``extra`` holds ``length``, ``depth``, ``trial``,
-    ``sample_seed``, ``key``, ``answer``, ``needle_position`` and ``correct``.
+    ``sample_seed``, ``key``, ``answer``, ``needle_position``, ``chat_template``, ``correct`` (strict: the first
+    number of the answer is the needle; the headline) and ``correct_contains`` (the needle appears in the answer,
+    kvpress's rule).
 ``summary.json``
-    Per method: overall accuracy, and per length x depth cell the accuracy, counts and medians of TTFT, tokens/s,
-    peak memory and final K/V bytes.
+    Per method: overall accuracy (strict and contains); per length the same with medians of TTFT, tokens/s, peak
+    memory, K/V bytes after prefill and the K/V ratio after prefill against ``full`` on the same prompts; and per
+    length x depth cell the accuracy, counts and medians.
 ``heatmap_<method>.png``
     Accuracy over length (x) x depth (y), one per method.
 """
@@ -28,7 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .generation import generate_measured, median_or_none, resolve_methods
-from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
+from .haystack import (
+    NEEDLE_TEMPLATE,
+    HaystackTokens,
+    NIAHSample,
+    make_niah_sample,
+    resolve_chat_template,
+    score_answer,
+    score_answer_contains,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +113,13 @@ def build_samples(
     seed: int = 0,
     haystack=None,
     needle_template: str = NEEDLE_TEMPLATE,
-    question_template: str = QUESTION_TEMPLATE,
+    question_template: str | None = None,
+    chat_template: bool = False,
 ) -> list[tuple[int, NIAHSample]]:
     """All NIAH prompts of a sweep, built (and so validated) before any run.
 
-    Trial ``t`` uses sample seed ``seed + t``; the same arguments give the same prompts.
+    Trial ``t`` uses sample seed ``seed + t``; the same arguments give the same prompts. ``chat_template`` wraps each
+    prompt in the tokenizer's chat template (:func:`~mmaccel.eval.haystack.make_niah_sample`).
 
     Returns
     -------
@@ -127,7 +140,10 @@ def build_samples(
         raise ValueError(f"lengths must be positive token counts, got {list(lengths)}")
     if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
         raise ValueError(f"depths must be fractions in [0, 1], got {list(depths)}")
-    check_templates(needle_template, question_template)
+    if question_template is not None:
+        check_templates(needle_template, question_template)
+    else:
+        check_templates(needle_template, "{key}")
     hay = load_haystack(tokenizer, haystack)
     return [
         (
@@ -140,6 +156,7 @@ def build_samples(
                 haystack=hay,
                 needle_template=needle_template,
                 question_template=question_template,
+                chat_template=chat_template,
             ),
         )
         for length in lengths
@@ -173,31 +190,75 @@ class NIAHResult:
         return self.summary["methods"][method]["accuracy"]
 
 
-def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[float]) -> dict:
-    """Aggregate NIAH records per method and per length x depth cell.
+def _accuracy(rows: list[dict], key: str = "correct") -> float | None:
+    ok = [r for r in rows if r["status"] == "ok"]
+    return sum(bool(r["extra"].get(key)) for r in ok) / len(ok) if ok else None
 
-    Accuracy is the fraction of *successful* runs that answered correctly (``None`` for a cell where every run
-    failed); failed runs are counted separately in ``failed``.
+
+def _kv_ratios_prefill(records: list[dict]) -> dict[tuple, float]:
+    """Per (method, length, depth, trial): K/V bytes after prefill over ``full``'s on the same prompt."""
+    def key(r):
+        return r["extra"]["length"], r["extra"]["depth"], r["extra"].get("trial")
+
+    full = {
+        key(r): r["kv_cache_bytes_prefill"]
+        for r in records if r.get("method_name") == "full" and r["status"] == "ok" and r.get("kv_cache_bytes_prefill")
+    }
+    out = {}
+    for r in records:
+        if r["status"] == "ok" and key(r) in full and r.get("kv_cache_bytes_prefill") is not None:
+            out[(r["method"], *key(r))] = r["kv_cache_bytes_prefill"] / full[key(r)]
+    return out
+
+
+def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[float]) -> dict:
+    """Aggregate NIAH records per method, per length, and per length x depth cell.
+
+    Accuracy is the fraction of *successful* runs that answered correctly (``None`` where every run failed); failed
+    runs are counted separately in ``failed``. ``accuracy`` is strict (first number = needle), ``accuracy_contains``
+    the lenient rule. ``kv_ratio_prefill`` is the median, over the prompts, of the method's K/V bytes after prefill
+    divided by ``full``'s on the same prompt (``None`` when the sweep has no ``full``).
 
     Returns
     -------
     dict
-        ``{"methods": {label: {"accuracy", "n", "failed", "cells": [{"length", "depth", "accuracy", "n",
-        "failed", "median_ttft_s", "median_tokens_per_s", "median_peak_memory_bytes", "median_kv_cache_bytes"}]}}}``
+        ``{"methods": {label: {"accuracy", "accuracy_contains", "n", "failed", "by_length": [{"length", "accuracy",
+        "accuracy_contains", "n", "failed", "kv_ratio_prefill", "median_kv_cache_bytes_prefill", "median_ttft_s",
+        "median_tokens_per_s", "median_peak_memory_bytes"}], "cells": [{"length", "depth", "accuracy",
+        "accuracy_contains", "n", "failed", "median_ttft_s", "median_tokens_per_s", "median_peak_memory_bytes",
+        "median_kv_cache_bytes"}]}}}``
     """
+    ratios = _kv_ratios_prefill(records)
     methods: dict[str, dict] = {}
     labels = list(dict.fromkeys(r["method"] for r in records))
     for label in labels:
         mine = [r for r in records if r["method"] == label]
-        cells = []
+        cells, by_length = [], []
         for length in lengths:
+            at_len = [r for r in mine if r["extra"]["length"] == length]
+            ok = [r for r in at_len if r["status"] == "ok"]
+            by_length.append({
+                "length": length,
+                "accuracy": _accuracy(at_len),
+                "accuracy_contains": _accuracy(at_len, "correct_contains"),
+                "n": len(ok),
+                "failed": len(at_len) - len(ok),
+                "kv_ratio_prefill": median_or_none([
+                    ratios.get((label, r["extra"]["length"], r["extra"]["depth"], r["extra"].get("trial"))) for r in ok
+                ]),
+                "median_kv_cache_bytes_prefill": median_or_none([r.get("kv_cache_bytes_prefill") for r in ok]),
+                "median_ttft_s": median_or_none([r["ttft_s"] for r in ok]),
+                "median_tokens_per_s": median_or_none([r["tokens_per_s"] for r in ok]),
+                "median_peak_memory_bytes": median_or_none([r["peak_memory_bytes"] for r in ok]),
+            })
             for depth in depths:
-                cell = [r for r in mine if r["extra"]["length"] == length and r["extra"]["depth"] == depth]
+                cell = [r for r in at_len if r["extra"]["depth"] == depth]
                 ok = [r for r in cell if r["status"] == "ok"]
                 entry = {
                     "length": length,
                     "depth": depth,
-                    "accuracy": sum(r["extra"]["correct"] for r in ok) / len(ok) if ok else None,
+                    "accuracy": _accuracy(cell),
+                    "accuracy_contains": _accuracy(cell, "correct_contains"),
                     "n": len(ok),
                     "failed": len(cell) - len(ok),
                 }
@@ -206,9 +267,11 @@ def summarize(records: list[dict], lengths: Sequence[int], depths: Sequence[floa
                 cells.append(entry)
         ok = [r for r in mine if r["status"] == "ok"]
         methods[label] = {
-            "accuracy": sum(r["extra"]["correct"] for r in ok) / len(ok) if ok else None,
+            "accuracy": _accuracy(mine),
+            "accuracy_contains": _accuracy(mine, "correct_contains"),
             "n": len(ok),
             "failed": len(mine) - len(ok),
+            "by_length": by_length,
             "cells": cells,
         }
     return {"methods": methods}
@@ -262,6 +325,61 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     return path
 
 
+WARMUP_TOKENS = 256
+
+
+def warmup_sample(tokenizer, *, seed: int = 0, chat_template: bool = False, haystack=None,
+                  needle_template: str = NEEDLE_TEMPLATE, question_template: str | None = None) -> NIAHSample:
+    """A short NIAH prompt (:data:`WARMUP_TOKENS` tokens) laid out like the real ones, for warm-up runs."""
+    return make_niah_sample(tokenizer, WARMUP_TOKENS, 0.5, seed=seed, haystack=load_haystack(tokenizer, haystack),
+                            needle_template=needle_template, question_template=question_template,
+                            chat_template=chat_template)
+
+
+def _forward_flops(config, length: int) -> float:
+    """Approximate forward FLOPs of a decoder over ``length`` tokens: 2 x params x tokens + causal attention."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    inter = getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden
+    params = layers * (4 * hidden * hidden + 3 * hidden * inter)
+    return 2.0 * params * length + 2.0 * layers * hidden * length * length
+
+
+def estimate_sweep_seconds(model, tokenizer, lengths: Sequence[int], runs_per_length: int, *,
+                           max_new_tokens: int, chat_template: bool = False) -> dict:
+    """Estimate how long a NIAH sweep takes on this machine, from one timed short prompt.
+
+    A :data:`WARMUP_TOKENS`-token prompt is generated once untimed and once timed (4 new tokens); its prefill time is
+    scaled by the decoder's forward FLOPs at each length (linear layers plus the quadratic causal attention) and its
+    per-token decode time by the bytes read per step. It is a rough guide, printed before a long sweep.
+
+    Returns
+    -------
+    dict
+        ``{"runs", "estimated_s", "calibration": {"tokens", "ttft_s", "decode_s_per_token"}}`` (seconds).
+    """
+    sample = warmup_sample(tokenizer, chat_template=chat_template)
+    rec = generate_measured(model, tokenizer, sample.input_ids, max_new_tokens=4, warmup=1, repeats=1)
+    config = getattr(model, "config", None)
+    if not rec.ok or rec.ttft_s is None or config is None:
+        return {"runs": runs_per_length * len(lengths), "estimated_s": None, "calibration": {}}
+    per_tok = (1.0 / rec.tokens_per_s) if rec.tokens_per_s else rec.ttft_s / WARMUP_TOKENS
+    base = _forward_flops(config, WARMUP_TOKENS)
+    hidden = getattr(config, "hidden_size", 1)
+    layers = getattr(config, "num_hidden_layers", 1)
+    step_base = _forward_flops(config, 1) + 4.0 * layers * hidden * WARMUP_TOKENS
+    total = 0.0
+    for n in lengths:
+        prefill = rec.ttft_s * _forward_flops(config, n) / base
+        decode = max_new_tokens * per_tok * (_forward_flops(config, 1) + 4.0 * layers * hidden * n) / step_base
+        total += runs_per_length * (prefill + decode)
+    return {
+        "runs": runs_per_length * len(lengths),
+        "estimated_s": total,
+        "calibration": {"tokens": WARMUP_TOKENS, "ttft_s": rec.ttft_s, "decode_s_per_token": per_tok},
+    }
+
+
 def run_niah(
     model,
     tokenizer,
@@ -273,8 +391,9 @@ def run_niah(
     seed: int = 0,
     haystack=None,
     needle_template: str = NEEDLE_TEMPLATE,
-    question_template: str = QUESTION_TEMPLATE,
-    max_new_tokens: int = 8,
+    question_template: str | None = None,
+    chat_template: str | bool = "auto",
+    max_new_tokens: int = 32,
     repeats: int = 1,
     warmup: int = 1,
     out_dir=None,
@@ -297,12 +416,16 @@ def run_niah(
     haystack : None, path or HaystackTokens
         Default: the built-in held-out prose; a path: any UTF-8 text file.
     needle_template, question_template : str
-        Format strings with ``{key}`` and ``{value}`` (question: ``{key}`` only).
+        Format strings with ``{key}`` and ``{value}`` (question: ``{key}`` only). Default question: a sentence to
+        complete for plain prompts, a question for chat prompts.
+    chat_template : {"auto", "on", "off"} or bool
+        Whether prompts go through the tokenizer's chat template (``"auto"``: when it has one, as instruct models
+        do); recorded in each record's ``extra["chat_template"]``.
     max_new_tokens : int
-        Tokens generated per run (the answer is the first run of digits).
+        Tokens generated per run (default 32, room for an instruct model's "The secret number of ... is" preamble).
     repeats, warmup : int
-        Passed to :func:`~mmaccel.eval.generation.generate_measured`; ``warmup`` runs happen once per method, on
-        its first prompt, not before every trial.
+        Passed to :func:`~mmaccel.eval.generation.generate_measured`; ``warmup`` runs happen once per method, on a
+        short prompt (:func:`warmup_sample`), not on a copy of the long one and not before every trial.
     out_dir : path, optional
         Where ``results.jsonl``, ``summary.json`` and the heatmaps go; nothing is written when ``None``.
     progress : bool
@@ -316,14 +439,18 @@ def run_niah(
     ------
     ValueError, FileNotFoundError
         Configuration errors, all before the first run: an unknown method or bad method arguments, bad
-        lengths/depths/trials, a length too small for the needle, bad templates, a missing haystack file. Failures
+        lengths/depths/trials, a length too small for the needle, bad templates, ``chat_template="on"`` for a
+        tokenizer without one, a missing haystack file. Failures
         of single runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
     """
     resolved = resolve_methods(methods)
+    use_chat = resolve_chat_template(tokenizer, chat_template)
     samples = build_samples(
         tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,
-        needle_template=needle_template, question_template=question_template,
+        needle_template=needle_template, question_template=question_template, chat_template=use_chat,
     )
+    warm = warmup_sample(tokenizer, seed=seed, chat_template=use_chat, haystack=haystack,
+                         needle_template=needle_template, question_template=question_template)
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_pos and max(lengths) + max_new_tokens > max_pos:
@@ -346,12 +473,13 @@ def run_niah(
                 bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
                 rec = generate_measured(
                     model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
-                    repeats=repeats, warmup=warmup if i == 0 else 0,
+                    repeats=repeats, warmup=warmup if i == 0 else 0, warmup_ids=warm.input_ids,
                 )
                 rec.extra.update(
                     length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
-                    answer=sample.answer, needle_position=sample.needle_position,
+                    answer=sample.answer, needle_position=sample.needle_position, chat_template=use_chat,
                     correct=rec.ok and score_answer(rec.output_text, sample.answer),
+                    correct_contains=rec.ok and score_answer_contains(rec.output_text, sample.answer),
                 )
                 row = rec.to_dict()
                 records.append(row)
@@ -370,7 +498,8 @@ def run_niah(
         "haystack": "builtin" if haystack is None else "custom" if isinstance(haystack, HaystackTokens) else str(
             haystack),
         "needle_template": needle_template,
-        "question_template": question_template,
+        "question_template": question_template or "default",
+        "chat_template": use_chat,
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "warmup": warmup,
@@ -384,4 +513,55 @@ def run_niah(
                 summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}", path
             )
         logger.info("wrote %s", out)
+    return result
+
+
+def merge_results(in_dirs: Sequence, out_dir) -> NIAHResult:
+    """Merge the ``results.jsonl`` of several NIAH sweeps (e.g. methods run in separate processes) into one folder.
+
+    Records are concatenated in the order given; ``summary.json`` (with K/V ratios against ``full`` on the same
+    prompts, wherever ``full`` ran in any of the sweeps) and one heatmap per method are written anew.
+
+    Parameters
+    ----------
+    in_dirs : sequence of path
+        Folders holding ``results.jsonl`` (and ``summary.json``, whose ``config`` is merged).
+    out_dir : path
+        Output folder (may be one of ``in_dirs``' parents, not one of them).
+
+    Raises
+    ------
+    FileNotFoundError
+        If a folder has no ``results.jsonl``.
+    ValueError
+        If a method label appears in two sweeps for the same (length, depth, trial).
+    """
+    records, configs = [], []
+    for d in in_dirs:
+        path = Path(d) / "results.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; pass folders written by `mmaccel niah --out`")
+        records += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if (Path(d) / "summary.json").is_file():
+            configs.append(json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")).get("config", {}))
+    keys = [(r["method"], r["extra"]["length"], r["extra"]["depth"], r["extra"].get("trial")) for r in records]
+    if len(set(keys)) != len(keys):
+        raise ValueError("the sweeps overlap: the same method, length, depth and trial appears twice")
+    lengths = sorted({r["extra"]["length"] for r in records})
+    depths = sorted({r["extra"]["depth"] for r in records})
+    summary = summarize(records, lengths, depths)
+    config = dict(configs[0]) if configs else {}
+    config.update(methods=list(summary["methods"]), lengths=lengths, depths=depths,
+                  merged_from=[str(d) for d in in_dirs])
+    summary["config"] = config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    result = NIAHResult(records=records, summary=summary, out_dir=out)
+    for label, m in summary["methods"].items():
+        result.heatmaps[label] = plot_heatmap(m["cells"], lengths, depths, f"NIAH accuracy: {label}",
+                                              out / f"heatmap_{safe_label(label)}.png")
     return result

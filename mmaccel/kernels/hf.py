@@ -144,17 +144,47 @@ def _runs_mmaccel(impl) -> bool:
     return isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS._global_mapping.get(impl) is mmaccel_attention_forward
 
 
-def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The self-attention modules of a model's language decoder, by layer index: the one finder of mmaccel.
+
+    Used by :func:`attention_patterns` and by the KV-cache methods of :mod:`mmaccel.longctx`.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers model, its decoder, or a language-model submodule. When the model has ``get_decoder()``, only
+        the decoder is searched (so a VLM's vision tower is skipped).
+
+    Returns
+    -------
+    dict of int to torch.nn.Module
+        ``{layer_idx: module}`` for every module with an integer ``layer_idx`` and a ``head_dim`` (the attention
+        modules of Llama, Mistral, Qwen2/3, Gemma, ... in transformers 5), in layer order. Empty if none.
+
+    Raises
+    ------
+    ValueError
+        If two modules share a ``layer_idx`` (e.g. a vision tower and a language model both searched); pass the
+        language model (e.g. ``model.model.language_model``) instead.
+    """
+    root = model
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            root = get_decoder() or model
+        except (AttributeError, NotImplementedError, ValueError):
+            root = model
     found: dict[int, torch.nn.Module] = {}
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and hasattr(mod, "head_dim") and hasattr(mod, "config"):
-            if mod.layer_idx in found:
+    for mod in root.modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool) and hasattr(mod, "head_dim"):
+            if idx in found:
                 raise ValueError(
-                    f"two attention modules have layer_idx {mod.layer_idx} (e.g. a vision tower and a language model); "
+                    f"two attention modules have layer_idx {idx} (e.g. a vision tower and a language model); "
                     "pass the language model (e.g. model.model.language_model) instead"
                 )
-            found[mod.layer_idx] = mod
-    return found
+            found[idx] = mod
+    return dict(sorted(found.items()))
 
 
 @contextlib.contextmanager
@@ -178,7 +208,7 @@ def attention_patterns(model: torch.nn.Module, layers: Mapping[int, object]) -> 
     ValueError
         For a layer index the model does not have, a pattern for the wrong number of heads, or ambiguous layers.
     """
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not _runs_mmaccel(impl):
         logger.warning("attention patterns are read only by the registered mmaccel implementation; model uses %r", impl)

@@ -8,16 +8,34 @@
 from __future__ import annotations
 
 from ..specs import build_from_registry
-from .base import EvictingLayer, KVMethod, KVMethodCache, kv_cache_bytes
+from .base import (
+    EvictingLayer,
+    KVMethod,
+    KVMethodCache,
+    KVScorer,
+    LayerStep,
+    bookkeeping_bytes,
+    kv_cache_bytes,
+)
+from .chunked import Chunked
 from .full import FullAttention
-from .snapkv import SnapKV, snapkv_keep_indices
-from .streaming import SinkWindowLayer, StreamingLLM
+from .h2o import H2O
+from .knorm import KNorm
+from .pyramidkv import PyramidKV
+from .snapkv import SnapKV, snapkv_keep_indices, snapkv_scores
+from .streaming import StreamingLLM
+from .tova import TOVA
 
 METHODS: dict[str, type[KVMethod]] = {
     "full": FullAttention,
     "streaming": StreamingLLM,
     "streamingllm": StreamingLLM,
     "snapkv": SnapKV,
+    "pyramidkv": PyramidKV,
+    "h2o": H2O,
+    "tova": TOVA,
+    "knorm": KNorm,
+    "chunked": Chunked,
 }
 
 
@@ -36,12 +54,20 @@ __all__ = [
     "METHODS",
     "build_method",
     "KVMethod",
+    "KVScorer",
     "KVMethodCache",
+    "LayerStep",
     "EvictingLayer",
-    "SinkWindowLayer",
     "FullAttention",
     "StreamingLLM",
     "SnapKV",
+    "PyramidKV",
+    "H2O",
+    "TOVA",
+    "KNorm",
+    "Chunked",
     "snapkv_keep_indices",
+    "snapkv_scores",
     "kv_cache_bytes",
+    "bookkeeping_bytes",
 ]

@@ -1,14 +1,20 @@
-"""Shared mechanics of the KV-cache methods: the evicting cache layer, the cache, top-k keep, byte accounting.
+"""Shared mechanics of the KV-cache methods: cache layer, lifecycle hooks, scorer contract, top-k keep, bytes.
 
-A KV-cache method (:class:`KVMethod`) is a small dataclass that says only what is new about it; everything that
-touches transformers' ``Cache`` lives here once:
+A KV-cache method is a small dataclass that says only what is new about it; everything that touches transformers'
+``Cache`` or the model lives here once (the design of kvpress's ``ScorerPress``, Jegou et al., 2024):
 
-- :class:`EvictingLayer` -- a ``DynamicLayer`` that remembers the true sequence index of every slot it holds and can
-  keep a subset of its slots per KV head (:meth:`EvictingLayer.keep`), really freeing the dropped K/V.
-- :class:`KVMethodCache` -- a ``DynamicCache`` whose full-attention layers are :class:`EvictingLayer` s, plus an
-  optional, self-removing "after prefill attention" hook per decoder layer (:meth:`KVMethodCache.observe_prefill`).
-- :func:`topk_keep_indices`, :func:`mean_over_query_groups`, :func:`window_queries` -- the scoring helpers.
-- :func:`kv_cache_bytes` -- bytes of the K/V tensors a cache really holds.
+- :class:`EvictingLayer` -- a ``DynamicLayer`` that remembers the true sequence index of every slot it holds, carries
+  named per-slot state (e.g. H2O's accumulated attention) and keeps a subset of its slots per KV head
+  (:meth:`EvictingLayer.keep`), really freeing the dropped K/V.
+- :class:`KVMethodCache` -- a ``DynamicCache`` whose full-attention layers are :class:`EvictingLayer` s. It attaches
+  one forward hook per decoder self-attention module of *one* model instance and calls the method once per layer and
+  forward with a :class:`LayerStep` (phase ``"prefill"`` for every multi-token forward, ``"decode"`` for every
+  one-token step). The hooks are removed by :meth:`KVMethodCache.close`, when a forward with this cache raises, and
+  when the cache is garbage-collected.
+- :class:`KVScorer` -- the scorer contract: a method supplies :meth:`KVScorer.score` ([B, Hkv, S] float, higher =
+  keep) and optionally :meth:`KVScorer.observe` (per-step state); the base owns the budget (tokens or a kept
+  fraction), the top-k, the gather and the cache surgery, at prefill and, for methods that ask, at every decode step.
+- :func:`kv_cache_bytes`, :func:`bookkeeping_bytes` -- honest byte accounting, K/V and bookkeeping apart.
 
 Positions and masks
 -------------------
@@ -19,28 +25,50 @@ per step, independently of the cache length, and a hand-written loop that omits 
 ``DynamicSlidingWindowLayer``), not the number held. ``get_mask_sizes`` returns ``(held + q_len, seen - held)``, so the
 causal mask lets every query see every held slot plus the causal part of its own chunk.
 
+Chunked prefill
+---------------
+Every multi-token forward on a non-empty cache (``generate(..., prefill_chunk_size=C)``, :class:`~mmaccel.longctx.
+chunked.Chunked`, or a second turn) is a prefill step: a prefill-time method compresses the held slots *plus* the new
+chunk back to its budget, scored with that chunk's own queries. For SnapKV-like methods "the window" is therefore the
+last ``window`` queries of the *current chunk*; for the last chunk it is the last ``window`` prompt tokens, as without
+chunking, but the candidates are only what earlier chunks kept.
+
 Batch > 1: rows are compressed independently (per row and per KV head); all rows hold the same number of slots.
 With left padding the 2-D padding mask is lined up with the *last* held slots (``get_mask_sizes``' offset), which is
-right only when a method keeps a contiguous recent window. So SnapKV and StreamingLLM with sinks refuse padded
-batches with a clear error (:func:`has_padding`); StreamingLLM with ``sink=0`` is exact with padding.
+right only when a method keeps a contiguous recent window. So every evicting method refuses padded batches at prefill
+with a clear error (:func:`has_padding`), except those that set ``padding_safe`` (a plain sliding window).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import weakref
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..kernels.hf import attention_modules
+
 logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------- byte accounting
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a view of a larger tensor counts the whole storage."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return int(sum(seen.values()))
+
+
 def kv_cache_bytes(cache: Cache) -> int:
-    """Bytes of the key and value tensors a cache actually holds.
+    """Bytes of key and value memory a cache actually keeps alive.
 
     Parameters
     ----------
@@ -50,31 +78,28 @@ def kv_cache_bytes(cache: Cache) -> int:
     Returns
     -------
     int
-        Sum of ``keys.nbytes + values.nbytes`` over all layers, in bytes; uninitialised layers count 0. Bookkeeping
-        such as :attr:`EvictingLayer.positions` is not counted.
+        Bytes of the distinct storages behind every layer's ``keys`` and ``values``. A tensor that is a view of a
+        larger one (``DynamicSlidingWindowLayer`` keeps a slice of the concatenated K/V until its next update) counts
+        its whole storage, which is what it keeps alive. Uninitialised layers count 0. Bookkeeping (slot positions,
+        scores) is not counted here: see :func:`bookkeeping_bytes`.
     """
-    total = 0
+    tensors = [getattr(layer, name, None) for layer in getattr(cache, "layers", []) for name in ("keys", "values")]
+    return _storage_bytes(tensors)
+
+
+def bookkeeping_bytes(cache: Cache) -> int:
+    """Bytes of a cache's per-slot bookkeeping: :attr:`EvictingLayer.positions` and its per-slot state.
+
+    Returns
+    -------
+    int
+        Bytes of the distinct storages of every layer's bookkeeping tensors (0 for transformers' own layers).
+    """
+    tensors = []
     for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.nbytes
-    return int(total)
-
-
-def has_padding(attention_mask) -> bool:
-    """Whether a decoder layer's prepared 4-D attention mask hides any key from the last query (a padded batch).
-
-    Parameters
-    ----------
-    attention_mask : torch.Tensor or None
-        [B, 1, q, k] boolean (True = attend) or additive float mask, as attention modules receive it; anything
-        else (``None`` for an unpadded SDPA batch) counts as unpadded.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return False
-    last = attention_mask[..., -1, :]
-    return bool((~last).any()) if last.dtype == torch.bool else bool((last != 0).any())
+        if isinstance(layer, EvictingLayer):
+            tensors.extend(layer.bookkeeping_tensors())
+    return _storage_bytes(tensors)
 
 
 def held_tokens(layer) -> int:
@@ -83,6 +108,54 @@ def held_tokens(layer) -> int:
     if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.numel() == 0:
         return 0
     return int(keys.shape[-2])
+
+
+# --------------------------------------------------------------------------------------------------------- padding
+def has_padding(attention_mask) -> bool:
+    """Whether the mask an attention module received hides any key from the last query (a padded batch).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor, BlockMask or None
+        - [B, 1 or H, q, k] boolean (True = attend) or additive float mask (eager, sdpa, mmaccel);
+        - [B, k] 0/1 padding mask (flash-attention);
+        - a flex-attention ``BlockMask``: its ``mask_mod`` is evaluated on the last query row;
+        - ``None`` (an unpadded sdpa/flash batch) counts as unpadded.
+
+    Returns
+    -------
+    bool
+
+    Raises
+    ------
+    ValueError
+        For a mask it cannot read (another type, or a ``BlockMask`` without a usable ``mask_mod``): rather than
+        compress pads silently, the caller refuses.
+    """
+    if attention_mask is None:
+        return False
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.dim() == 4:
+            last = attention_mask[..., -1, :]
+            return bool((~last).any()) if last.dtype == torch.bool else bool((last != 0).any())
+        if attention_mask.dim() == 2:
+            return bool((attention_mask == 0).any())
+        raise ValueError(f"cannot tell padding from a {attention_mask.dim()}-D attention mask")
+    mask_mod = getattr(attention_mask, "mask_mod", None)
+    shape = getattr(attention_mask, "shape", None)
+    if mask_mod is not None and shape is not None and len(shape) == 4:
+        B, _, q_len, k_len = (int(s) for s in shape)
+        dev = attention_mask.kv_num_blocks.device if hasattr(attention_mask, "kv_num_blocks") else "cpu"
+        b = torch.arange(B, device=dev)[:, None]
+        h = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        q = torch.full((1, 1), q_len - 1, dtype=torch.long, device=dev)
+        kv = torch.arange(k_len, device=dev)[None, :]
+        try:
+            allowed = torch.as_tensor(mask_mod(b, h, q, kv)).expand(B, k_len)
+        except Exception as exc:  # a mask_mod that cannot be evaluated on index tensors
+            raise ValueError(f"cannot tell padding from this flex BlockMask ({exc}); run unpadded") from exc
+        return bool((~allowed.bool()).any())
+    raise ValueError(f"cannot tell padding from an attention mask of type {type(attention_mask).__name__}")
 
 
 # --------------------------------------------------------------------------------------------------- scoring helpers
@@ -203,14 +276,21 @@ class EvictingLayer(DynamicLayer):
         [B, Hkv, S, D] held K/V (keys after RoPE).
     positions : torch.LongTensor
         [B, Hkv, S] sequence index of every held slot (equal to its RoPE position for unpadded rows).
+    slot_state : dict of str to torch.Tensor
+        Named per-slot state, each [B, Hkv, S] (e.g. H2O's accumulated attention). Registered with
+        :meth:`add_slot_state`; new slots get the registered fill value, :meth:`keep` gathers it with the K/V.
     cumulative_length : int
         Tokens seen so far; this is what :meth:`get_seq_length` returns.
+    target : int or None
+        The slot budget a method fixed for this layer at its last prefill step (for decode-time eviction).
+    prefill_length : int
+        Tokens seen at the end of the last prefill step.
 
     Notes
     -----
-    :meth:`update` appends the new K/V, calls :meth:`after_update` (where a subclass may evict) and returns the K/V
-    *before* eviction, so the tokens of the current forward attend to everything held before it plus their own
-    chunk. Evictions cannot be undone, so ``crop`` (assisted decoding) raises.
+    :meth:`update` appends the new K/V and returns them; evictions happen afterwards (from the method's hook, after
+    the layer's attention ran), so the tokens of the current forward attend to everything held before it plus their
+    own chunk. Evictions cannot be undone, so ``crop`` (assisted decoding) raises.
     """
 
     is_croppable = False
@@ -219,6 +299,10 @@ class EvictingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.cumulative_length = 0
         self.positions: torch.Tensor | None = None
+        self.slot_state: dict[str, torch.Tensor] = {}
+        self._fills: dict[str, tuple[float, torch.dtype]] = {}
+        self.target: int | None = None
+        self.prefill_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -230,22 +314,32 @@ class EvictingLayer(DynamicLayer):
         """Number of slots held (``S``)."""
         return held_tokens(self)
 
+    def add_slot_state(self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Register (once) a per-slot state tensor [B, Hkv, S] filled with ``fill``; return it."""
+        if name not in self.slot_state:
+            self._fills[name] = (fill, dtype)
+            shape = tuple(self.positions.shape) if self.positions is not None else (0, 0, 0)
+            self.slot_state[name] = torch.full(shape, fill, dtype=dtype, device=self.positions.device)
+        return self.slot_state[name]
+
+    def bookkeeping_tensors(self) -> list[torch.Tensor]:
+        """The positions and per-slot state tensors (for :func:`bookkeeping_bytes`)."""
+        return [t for t in (self.positions, *self.slot_state.values()) if t is not None]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``key_states``/``value_states`` [B, Hkv, q, D], maybe evict, return the pre-eviction K/V."""
+        """Append ``key_states``/``value_states`` [B, Hkv, q, D] and return the held K/V [B, Hkv, S + q, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, q = key_states.shape[:3]
         new_pos = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.positions.device)
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        self.keys, self.values = keys, values
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_pos.expand(B, H, q)], dim=-1)
+        for name, state in self.slot_state.items():
+            fill, dtype = self._fills[name]
+            self.slot_state[name] = torch.cat([state, state.new_full((B, H, q), fill)], dim=-1)
         self.cumulative_length += q
-        self.after_update(q)
-        return keys, values
-
-    def after_update(self, query_length: int) -> None:
-        """Called after every update with the number of new tokens; override to evict. Default: keep all."""
+        return self.keys, self.values
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the given slots, per row and KV head, and free the rest.
@@ -261,6 +355,8 @@ class EvictingLayer(DynamicLayer):
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)
         self.positions = self.positions.gather(2, indices)
+        for name, state in self.slot_state.items():
+            self.slot_state[name] = state.gather(2, indices)
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (not the number held), so default position ids stay true after eviction."""
@@ -274,6 +370,9 @@ class EvictingLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.positions = None
+        self.slot_state.clear()
+        self.target = None
+        self.prefill_length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -281,37 +380,97 @@ class EvictingLayer(DynamicLayer):
             "use the 'full' KV-cache method there"
         )
 
+    def _per_row(self, fn) -> None:
+        if self.positions is not None and self.positions.numel():
+            self.positions = fn(self.positions)
+            for name, state in self.slot_state.items():
+                self.slot_state[name] = fn(state)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.positions is not None and self.positions.numel():
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+        self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.positions is not None and self.positions.numel():
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.positions is not None and self.positions.numel():
-            self.positions = self.positions[indices, ...]
+        self._per_row(lambda t: t[indices, ...])
+
+
+# ------------------------------------------------------------------------------------------------------ layer step
+@dataclass
+class LayerStep:
+    """What a method sees of one layer after one attention forward with its cache.
+
+    Attributes
+    ----------
+    cache : KVMethodCache
+        The cache (for cache-wide facts: ``num_layers``, ``warn``).
+    layer : EvictingLayer
+        The layer; it already holds this forward's K/V, [B, Hkv, S, D].
+    layer_idx : int
+    module : torch.nn.Module
+        The attention module (``q_proj``, ``head_dim``, ``scaling``, ...).
+    hidden_states : torch.Tensor
+        [B, q, hidden] the module's input of this forward.
+    position_embeddings : tuple or None
+        ``(cos, sin)`` as the model passed them.
+    attention_mask : object
+        The mask the module received.
+    phase : {"prefill", "decode"}
+        ``"prefill"`` for a multi-token forward (or the first forward), ``"decode"`` for a one-token step.
+    """
+
+    cache: "KVMethodCache"
+    layer: EvictingLayer
+    layer_idx: int
+    module: torch.nn.Module
+    hidden_states: torch.Tensor
+    position_embeddings: tuple | None
+    attention_mask: object
+    phase: str
+
+    def __post_init__(self):
+        self._queries: dict[int, torch.Tensor] = {}
+
+    @property
+    def query_length(self) -> int:
+        """Tokens in this forward (``q``)."""
+        return int(self.hidden_states.shape[1])
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[B, Hkv, S, D] held keys, this forward's included (after RoPE)."""
+        return self.layer.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[B, Hkv, S, D] held values."""
+        return self.layer.values
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.layer.keys.shape[1])
+
+    @property
+    def scaling(self) -> float | None:
+        return getattr(self.module, "scaling", None)
+
+    def queries(self, window: int | None = None) -> torch.Tensor:
+        """[B, Hq, w, D] post-RoPE queries of this forward's last ``w = min(window, q)`` tokens (all by default).
+
+        Recomputed once per step from the module input (:func:`window_queries`), so SDPA/flash models need no
+        attention weights.
+        """
+        w = self.query_length if window is None else max(1, min(int(window), self.query_length))
+        if w not in self._queries:
+            self._queries[w] = window_queries(self.module, self.hidden_states, self.position_embeddings, w)
+        return self._queries[w]
 
 
 # ----------------------------------------------------------------------------------------------------------- cache
-PrefillObserver = Callable[[torch.nn.Module, EvictingLayer, torch.Tensor, tuple, object], None]
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's self-attention modules: modules with ``q_proj``, ``head_dim`` and an int ``layer_idx``."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    found = [
-        m
-        for m in decoder.modules()
-        if hasattr(m, "q_proj") and hasattr(m, "head_dim") and isinstance(getattr(m, "layer_idx", None), int)
-    ]
-    return found
-
-
 class KVMethodCache(DynamicCache):
     """A ``DynamicCache`` whose full-attention layers are built by a KV method, for one ``generate`` run.
 
@@ -321,65 +480,91 @@ class KVMethodCache(DynamicCache):
     ----------
     model : transformers.PreTrainedModel
         The model the cache will be used with (its decoder config decides the layer types).
-    layer_factory : callable
-        ``layer_factory(layer_idx) -> EvictingLayer`` for each full-attention layer.
-    method : KVMethod, optional
-        The method that built the cache (kept for telemetry).
+    method : KVMethod
+        The method: ``method.make_layer(layer_idx)`` builds each full-attention layer, and, if ``method.uses_hooks``,
+        ``method.on_step(step)`` is called after every attention forward of a layer with this cache.
+
+    Attributes
+    ----------
+    warnings : list of str
+        Warnings the method raised during the run (e.g. "budget >= context: ran as full"); telemetry copies them.
 
     Notes
     -----
-    Usable as a context manager; :meth:`close` removes any hooks this cache attached to the model.
+    The hooks are per-instance forward hooks (``with_kwargs=True``) on the decoder's self-attention modules found by
+    :func:`mmaccel.kernels.hf.attention_modules`, plus one ``always_call`` hook on ``model`` that closes the cache if a
+    forward with it raises. They are removed by :meth:`close` (or ``with cache:``), on such an error, and when the cache
+    is garbage-collected (they hold only a weak reference to it). A hook ignores forwards with another cache.
     """
 
-    def __init__(self, model: torch.nn.Module, layer_factory: Callable[[int], EvictingLayer], method=None):
+    def __init__(self, model: torch.nn.Module, method: "KVMethod"):
         super().__init__(config=model.config)
         for i, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
-                self.layers[i] = layer_factory(i)
+                self.layers[i] = method.make_layer(i)
         self.method = method
+        self.warnings: list[str] = []
         self._hooks: list = []
+        if method.uses_hooks:
+            self._attach(model)
+        self._finalizer = weakref.finalize(self, _remove_handles, self._hooks)
 
-    def observe_prefill(self, model: torch.nn.Module, fn: PrefillObserver) -> None:
-        """Call ``fn`` once per layer, right after that layer's first attention forward with this cache.
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
-        Registers a forward hook (``with_kwargs=True``) on each decoder self-attention module of ``model`` (this
-        instance only). Each hook fires once, when the module ran with ``past_key_values is self``; after the last
-        layer has fired all hooks are removed. ``fn(module, layer, hidden_states, position_embeddings,
-        attention_mask)`` receives the module's inputs; the layer already holds this forward's K/V.
+    def warn(self, message: str) -> None:
+        """Record a warning once (it goes to the method's telemetry and to the log)."""
+        if message not in self.warnings:
+            self.warnings.append(message)
+            logger.warning("%s: %s", getattr(self.method, "name", "kv-method"), message)
 
-        Raises
-        ------
-        ValueError
-            If the model has no Llama-style attention modules for the cache's evicting layers.
-        """
-        modules = [m for m in attention_modules(model) if isinstance(self.layers[m.layer_idx], EvictingLayer)]
+    def _attach(self, model: torch.nn.Module) -> None:
+        modules = {i: m for i, m in attention_modules(model).items() if
+                   i < len(self.layers) and isinstance(self.layers[i], EvictingLayer)}
         if not modules:
             raise ValueError(
-                f"found no self-attention modules with q_proj/head_dim/layer_idx in {type(model).__name__}; this "
-                "KV-cache method needs a Llama-style decoder"
+                f"found no self-attention modules (with layer_idx and head_dim) in {type(model).__name__}; the "
+                f"{getattr(self.method, 'name', 'kv')} KV-cache method needs a transformers decoder"
             )
-        pending = {m.layer_idx for m in modules}
+        ref = weakref.ref(self)
 
-        def hook(module, args, kwargs, output):
-            if "past_key_values" not in kwargs:
-                raise RuntimeError(
-                    f"{type(module).__name__} was called without a past_key_values keyword; cannot attach the cache"
-                )
-            if kwargs["past_key_values"] is not self or module.layer_idx not in pending:
+        def after_attention(module, args, kwargs, output):
+            cache = ref()
+            if cache is None or kwargs.get("past_key_values") is not cache:
                 return
-            pending.discard(module.layer_idx)
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            fn(
-                module,
-                self.layers[module.layer_idx],
-                hidden,
-                kwargs.get("position_embeddings"),
-                kwargs.get("attention_mask"),
-            )
-            if not pending:
-                self.close()
+            if output is None:  # the attention forward raised
+                cache.close()
+                return
+            try:
+                cache._step(module, args, kwargs)
+            except BaseException:
+                cache.close()
+                raise
 
-        self._hooks.extend(m.register_forward_hook(hook, with_kwargs=True) for m in modules)
+        def after_model(module, args, kwargs, output):
+            cache = ref()
+            if cache is not None and output is None and kwargs.get("past_key_values") is cache:
+                cache.close()  # the forward raised: leave nothing attached to the model
+
+        for module in modules.values():
+            self._hooks.append(module.register_forward_hook(after_attention, with_kwargs=True, always_call=True))
+        self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
+
+    def _step(self, module, args, kwargs) -> None:
+        layer = self.layers[module.layer_idx]
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        q = int(hidden.shape[1])
+        phase = "prefill" if q > 1 or layer.cumulative_length == q else "decode"
+        mask = kwargs.get("attention_mask")
+        if phase == "prefill" and not self.method.padding_safe and has_padding(mask):
+            raise ValueError(
+                f"{self.method.name} cannot compress a padded batch (left padding would be scored, and the padding "
+                "mask no longer lines up once tokens are evicted); run prompts one at a time or with equal lengths"
+            )
+        step = LayerStep(self, layer, module.layer_idx, module, hidden, kwargs.get("position_embeddings"), mask, phase)
+        with torch.no_grad():  # scores and per-slot state never carry an autograd graph
+            self.method.on_step(step)
 
     @property
     def hooks_attached(self) -> int:
@@ -388,9 +573,7 @@ class KVMethodCache(DynamicCache):
 
     def close(self) -> None:
         """Remove every hook this cache attached to the model (idempotent)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        _remove_handles(self._hooks)
 
     def __enter__(self) -> "KVMethodCache":
         return self
@@ -399,10 +582,21 @@ class KVMethodCache(DynamicCache):
         self.close()
 
 
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 # ---------------------------------------------------------------------------------------------------------- method
 def _check_int(owner: str, name: str, value, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}; {fix}")
+
+
+def _check_ratio(owner: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{owner}: ratio must be a kept fraction in (0, 1], got {value!r}; e.g. {owner}:ratio=0.25")
 
 
 @dataclass
@@ -411,11 +605,24 @@ class KVMethod:
 
     Use as ``model.generate(**inputs, past_key_values=method.make_cache(model))``.
 
-    Subclasses set ``method_name`` and implement :meth:`make_layer`; methods that need the prefill queries also
-    override :meth:`make_cache` to call :meth:`KVMethodCache.observe_prefill`.
+    Subclasses set ``method_name``; most derive from :class:`KVScorer` and only write ``score``. A method that needs
+    other lifecycle behaviour overrides :meth:`on_step` (called per layer after every attention forward).
+
+    Attributes
+    ----------
+    uses_hooks : bool (class)
+        Whether the cache hooks the model's attention modules (False for full attention).
+    padding_safe : bool (class)
+        Whether the method is exact on left-padded batches; otherwise a padded prefill raises ``ValueError``.
+    supports_chunking : bool (class)
+        Whether :class:`~mmaccel.longctx.chunked.Chunked` may wrap it (``chunking_error`` says why not).
     """
 
     method_name: ClassVar[str] = "kv-method"
+    uses_hooks: ClassVar[bool] = True
+    padding_safe: ClassVar[bool] = False
+    supports_chunking: ClassVar[bool] = True
+    chunking_error: ClassVar[str] = ""
 
     @property
     def name(self) -> str:
@@ -424,17 +631,20 @@ class KVMethod:
 
     @property
     def spec(self) -> str:
-        """Spec string that rebuilds this method, e.g. ``"snapkv:budget=256:window=32:kernel_size=7:pooling=avg"``."""
+        """Spec string that rebuilds this method, e.g. ``"snapkv:budget=256:ratio=None:window=32:..."``."""
         parts = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
         return ":".join([self.name, *parts])
 
     def make_layer(self, layer_idx: int) -> EvictingLayer:
         """A fresh cache layer for full-attention layer ``layer_idx``."""
-        raise NotImplementedError
+        return EvictingLayer()
 
     def make_cache(self, model: torch.nn.Module) -> Cache:
-        """A fresh cache for one ``generate`` run of ``model``."""
-        return KVMethodCache(model, self.make_layer, method=self)
+        """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
+        return KVMethodCache(model, self)
+
+    def on_step(self, step: LayerStep) -> None:
+        """Called per layer after every attention forward with this method's cache. Default: nothing."""
 
     def telemetry(self, cache: Cache) -> dict:
         """JSON-serialisable facts about a cache after a run.
@@ -443,7 +653,8 @@ class KVMethod:
         -------
         dict
             ``method``, ``spec``, the hyper-parameters, ``seen_tokens`` (tokens that went through the cache),
-            ``kept_tokens_per_layer``, ``evicted_tokens`` (seen - held, summed over layers), ``kv_cache_bytes``.
+            ``kept_tokens_per_layer``, ``evicted_tokens`` (seen - held, summed over layers), ``kv_cache_bytes``
+            (K/V storage), ``bookkeeping_bytes`` (positions and per-slot state) and ``warnings`` (list of str).
         """
         layers = list(getattr(cache, "layers", []))
         kept = [held_tokens(layer) for layer in layers]
@@ -451,9 +662,132 @@ class KVMethod:
         return {
             "method": self.name,
             "spec": self.spec,
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            **{f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)},
             "seen_tokens": max(seen, default=0),
             "kept_tokens_per_layer": kept,
             "evicted_tokens": int(sum(s - k for s, k in zip(seen, kept))),
             "kv_cache_bytes": kv_cache_bytes(cache),
+            "bookkeeping_bytes": bookkeeping_bytes(cache),
+            "warnings": [*_full_budget_warning(layers), *getattr(cache, "warnings", [])],
         }
+
+
+def _full_budget_warning(layers) -> list[str]:
+    """["budget B >= context N tokens: ran as full attention"] when no layer evicted anything, else []."""
+    evicting = [layer for layer in layers if isinstance(layer, EvictingLayer) and layer.target is not None]
+    targets = [(layer.target, layer.prefill_length) for layer in evicting]
+    if not targets or any(t < n for t, n in targets) or any(l.held < l.cumulative_length for l in evicting):
+        return []
+    budget = min(t for t, _ in targets)
+    message = f"budget {budget} >= context {targets[0][1]} tokens: ran as full attention"
+    logger.warning(message)
+    return [message]
+
+
+def _jsonable(value):
+    if isinstance(value, KVMethod):
+        return value.spec
+    return value
+
+
+@dataclass
+class KVScorer(KVMethod):
+    """The scorer contract: a method supplies :meth:`score`; the base owns budget, top-k, gather and cache surgery.
+
+    After every prefill step (a multi-token forward) of a layer, the base keeps the :meth:`layer_budget` best-scored
+    held slots per row and KV head, in original order. Methods with ``evicts_on_decode`` also evict after every
+    decode step, back to the budget fixed at the last prefill step. :meth:`observe` runs first at every step (prefill
+    and decode, whether or not anything is evicted), for methods that accumulate per-slot state.
+
+    Parameters
+    ----------
+    budget : int or None
+        Slots kept per layer and KV head (tokens), >= 1. ``None`` with ``ratio`` unset means the method's
+        ``default_budget``.
+    ratio : float or None
+        Kept fraction of the context instead, in (0, 1]: ``keep = ceil(ratio * seen tokens)`` at each prefill step
+        (``snapkv:ratio=0.25``; kvpress's ``compression_ratio`` is ``1 - ratio``). Exclusive with ``budget``.
+
+    Notes
+    -----
+    A budget at least the context length keeps everything (bit-exact with full attention); :meth:`KVMethod.telemetry`
+    then carries the warning "budget B >= context N tokens: ran as full attention".
+
+    Raises
+    ------
+    ValueError
+        If both ``budget`` and ``ratio`` are given, or either is out of range.
+    """
+
+    budget: int | None = None
+    ratio: float | None = None
+
+    default_budget: ClassVar[int] = 256
+    evicts_on_decode: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.budget is not None and self.ratio is not None:
+            raise ValueError(
+                f"{self.method_name}: give budget (tokens) or ratio (kept fraction), not both; "
+                f"e.g. {self.method_name}:budget=256 or {self.method_name}:ratio=0.25"
+            )
+        if self.ratio is not None:
+            _check_ratio(self.method_name, self.ratio)
+        else:
+            if self.budget is None:
+                self.budget = self.default_budget
+            _check_int(self.method_name, "budget", self.budget, 1,
+                       f"pass the number of tokens to keep, e.g. {self.method_name}:budget=256")
+
+    # ---------------------------------------------------------------- what a method writes
+    def score(self, step: LayerStep) -> torch.Tensor:
+        """Scores of the held slots, [B, Hkv, S] float, higher = keep (``inf`` = always keep). To override."""
+        raise NotImplementedError
+
+    def observe(self, step: LayerStep) -> None:
+        """Update per-slot state after every forward (before any eviction). Default: nothing."""
+
+    def min_budget(self, step: LayerStep) -> int:
+        """The fewest slots the method can keep (e.g. SnapKV's window). Default 1."""
+        return 1
+
+    # ---------------------------------------------------------------- what the base owns
+    def context_budget(self, seen: int) -> int:
+        """Slots to keep for a context of ``seen`` tokens: ``budget``, or ``ceil(ratio * seen)``."""
+        if self.ratio is not None:
+            return max(1, math.ceil(self.ratio * seen))
+        return int(self.budget)
+
+    def layer_budget(self, step: LayerStep) -> int:
+        """Slots layer ``step.layer_idx`` keeps after a prefill step; override for layer-wise budgets."""
+        return self.context_budget(step.layer.cumulative_length)
+
+    def select(self, scores: torch.Tensor, keep: int, step: LayerStep) -> torch.Tensor:
+        """[B, Hkv, keep] ascending indices of the ``keep`` best slots per row and KV head (override for AdaKV)."""
+        return topk_keep_indices(scores, keep)
+
+    def compress(self, step: LayerStep, keep: int) -> None:
+        """Score the held slots of ``step.layer`` and keep the ``keep`` best per row and KV head."""
+        scores = self.score(step)
+        expected = tuple(step.layer.positions.shape)
+        if tuple(scores.shape) != expected:
+            raise ValueError(f"{self.name}.score returned {tuple(scores.shape)}, expected [B, Hkv, S] = {expected}")
+        step.layer.keep(self.select(scores.float(), keep, step))
+
+    def on_step(self, step: LayerStep) -> None:
+        layer = step.layer
+        self.observe(step)
+        if step.phase == "prefill":
+            keep = self.layer_budget(step)
+            low = self.min_budget(step)
+            if keep < low:
+                raise ValueError(
+                    f"{self.name}: layer {step.layer_idx} would keep {keep} slots of {layer.cumulative_length} "
+                    f"tokens, fewer than the {low} it needs; raise the budget or ratio"
+                )
+            layer.target = keep
+            layer.prefill_length = layer.cumulative_length
+        elif not self.evicts_on_decode or layer.target is None:
+            return
+        if layer.held > layer.target:
+            self.compress(step, layer.target)

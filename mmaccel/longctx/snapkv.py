@@ -10,72 +10,86 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention_column_scores
-from .base import (
-    EvictingLayer,
-    KVMethod,
-    KVMethodCache,
-    _check_int,
-    has_padding,
-    mean_over_query_groups,
-    topk_keep_indices,
-    window_queries,
-)
+from .base import KVScorer, LayerStep, _check_int, mean_over_query_groups, topk_keep_indices
 
 _POOLINGS = ("avg", "max")
 
 
-def snapkv_keep_indices(
-    scores: torch.Tensor, *, budget: int, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg"
+def snapkv_scores(
+    column: torch.Tensor, *, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg"
 ) -> torch.Tensor:
-    """SnapKV's selection: pool the window's column scores, average per GQA group, keep top-k + the window.
+    """SnapKV's slot scores from the window's column scores: pool the prefix, average per GQA group, window = inf.
 
     Parameters
     ----------
-    scores : torch.Tensor
-        [B, Hq, L] attention each of the ``L`` keys gets from the last ``window`` queries, per query head.
-    budget : int
-        Slots kept per row and KV head, ``window <= budget <= L``.
+    column : torch.Tensor
+        [B, Hq, L] attention each of the ``L`` held keys gets from the last ``window`` queries, per query head.
     window : int
-        Observation window: the last ``window`` slots are always kept.
+        Observation window: the last ``window`` slots score ``inf`` (always kept).
     num_kv_heads : int
         ``Hkv``; query head ``h`` maps to KV head ``h // (Hq // Hkv)``.
     kernel_size : int
-        Odd 1-D pooling kernel over the sequence (stride 1, "same" padding); 1 = no pooling.
+        Odd 1-D pooling kernel over the prefix (stride 1, "same" padding, zeros outside); 1 = no pooling.
     pooling : {"avg", "max"}
         Pooling type.
 
     Returns
     -------
-    torch.LongTensor
-        [B, Hkv, budget] kept slot indices, ascending: top ``budget - window`` prefix slots, then the window.
+    torch.Tensor
+        [B, Hkv, L] float32, higher = keep.
     """
-    B, Hq, L = scores.shape
-    prefix = scores[..., : L - window].float()
+    B, Hq, L = column.shape
+    prefix = column[..., : L - window].float()
     if kernel_size > 1 and prefix.shape[-1] > 0:
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
-        flat = prefix.reshape(B * Hq, 1, -1)
-        prefix = pool(flat, kernel_size, stride=1, padding=kernel_size // 2).reshape(B, Hq, -1)
+        prefix = pool(prefix.reshape(B * Hq, 1, -1), kernel_size, stride=1, padding=kernel_size // 2).reshape(B, Hq, -1)
     per_kv_head = mean_over_query_groups(prefix, num_kv_heads)
-    return topk_keep_indices(per_kv_head, budget - window, tail=window)
+    tail = per_kv_head.new_full((B, num_kv_heads, L - prefix.shape[-1]), float("inf"))
+    return torch.cat([per_kv_head, tail], dim=-1)
+
+
+def snapkv_keep_indices(
+    scores: torch.Tensor, *, budget: int, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg"
+) -> torch.Tensor:
+    """SnapKV's selection (:func:`snapkv_scores`, then the base's top-k): top ``budget - window`` prefix + window.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        [B, Hq, L] window column scores per query head.
+    budget : int
+        Slots kept per row and KV head, ``window <= budget <= L``.
+    window, num_kv_heads, kernel_size, pooling
+        See :func:`snapkv_scores`.
+
+    Returns
+    -------
+    torch.LongTensor
+        [B, Hkv, budget] kept slot indices, ascending.
+    """
+    slot = snapkv_scores(scores, window=window, num_kv_heads=num_kv_heads, kernel_size=kernel_size, pooling=pooling)
+    return topk_keep_indices(slot, budget)
 
 
 @dataclass
-class SnapKV(KVMethod):
+class SnapKV(KVScorer):
     """SnapKV (Li et al., 2024, arXiv 2404.14469): per-KV-head prompt compression scored by an observation window.
 
     At the end of prefill, each layer's prompt keys are scored by the attention they get from the last ``window``
     prompt queries (:func:`mmaccel.kernels.attention_column_scores`, summed over the window), pooled along the
-    sequence, averaged over the query heads of each GQA group (so memory is really per KV head, as in kvpress), and
-    the top ``budget - window`` prompt slots plus the window are kept, in original order. Decode tokens are appended
+    sequence, averaged over the query heads of each GQA group (so memory is really per KV head, as in kvpress); the
+    window scores ``inf``, and the base keeps the ``budget`` best slots in original order. Decode tokens are appended
     without further eviction. Each layer then holds [B, Hkv, budget + new tokens, D] K/V.
 
     Parameters
     ----------
-    budget : int
-        Prompt slots kept per layer and KV head, >= 1 (default 256). A prompt of at most ``budget`` tokens is not
-        compressed (bit-exact with full attention).
+    budget : int or None
+        Prompt slots kept per layer and KV head, >= ``window`` (default 256). A prompt of at most ``budget`` tokens is
+        not compressed (bit-exact with full attention; the telemetry warns).
+    ratio : float or None
+        Kept fraction of the prompt instead of ``budget`` (``snapkv:ratio=0.25``).
     window : int
-        Observation window, ``1 <= window <= budget`` (default 32).
+        Observation window, >= 1 (default 32).
     kernel_size : int
         Odd pooling kernel, >= 1 (default 7).
     pooling : {"avg", "max"}
@@ -83,21 +97,19 @@ class SnapKV(KVMethod):
 
     Notes
     -----
-    ``Cache.update`` never sees the queries, so :meth:`make_cache` registers a forward hook on each decoder
-    self-attention module of *this* model (:meth:`KVMethodCache.observe_prefill`). After a layer's first attention
-    forward with this cache (the prefill, which attends fully), the hook recomputes the window queries from the
-    module's ``hidden_states`` input (``q_proj``, ``q_norm`` if any, RoPE from ``position_embeddings``), scores and
-    compresses that layer's K/V in place. The hooks remove themselves once every layer is compressed, or on
-    ``cache.close()`` / leaving ``with cache:``. Chunked prefill (``prefill_chunk_size``) is not supported: only the
-    first chunk would be compressed. Batch > 1 selects per row; padded batches raise (see below).
+    Under chunked prefill (``generate(prefill_chunk_size=C)`` or :class:`~mmaccel.longctx.chunked.Chunked`) every
+    chunk compresses the held slots plus itself back to the budget, and "the window" is the last
+    ``min(window, chunk)`` queries *of that chunk*: the final chunk uses the prompt's last tokens, as without chunking,
+    but chooses only among what earlier chunks kept. Queries are recomputed from the attention module's input
+    (``q_proj``, ``q_norm`` if any, RoPE), so any attention implementation works. Padded batches raise.
 
     Raises
     ------
     ValueError
-        From ``__post_init__`` on a bad hyper-parameter; during prefill, if a padded batch must be compressed.
+        From ``__post_init__`` on a bad hyper-parameter; during prefill, if a padded batch must be compressed or a
+        ratio keeps fewer slots than the window.
     """
 
-    budget: int = 256
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"
@@ -105,48 +117,32 @@ class SnapKV(KVMethod):
     method_name = "snapkv"
 
     def __post_init__(self):
-        _check_int("snapkv", "budget", self.budget, 1, "pass the number of prompt tokens to keep, e.g. budget=256")
-        _check_int("snapkv", "window", self.window, 1, "pass the observation window length, e.g. window=32")
-        _check_int("snapkv", "kernel_size", self.kernel_size, 1, "e.g. kernel_size=7 (1 disables pooling)")
-        if self.window > self.budget:
+        super().__post_init__()
+        _check_int(self.method_name, "window", self.window, 1, "pass the observation window length, e.g. window=32")
+        _check_int(self.method_name, "kernel_size", self.kernel_size, 1, "e.g. kernel_size=7 (1 disables pooling)")
+        if self.budget is not None and self.window > self.budget:
             raise ValueError(
-                f"snapkv: window ({self.window}) must be <= budget ({self.budget}); "
-                f"raise budget or lower window, e.g. snapkv:budget={self.budget}:window={min(32, self.budget)}"
+                f"{self.method_name}: window ({self.window}) must be <= budget ({self.budget}); raise budget or lower "
+                f"window, e.g. {self.method_name}:budget={self.budget}:window={min(32, self.budget)}"
             )
         if self.kernel_size % 2 == 0:
-            raise ValueError(f"snapkv: kernel_size must be odd, got {self.kernel_size}; e.g. kernel_size=7")
+            raise ValueError(f"{self.method_name}: kernel_size must be odd, got {self.kernel_size}; e.g. kernel_size=7")
         if self.pooling not in _POOLINGS:
-            raise ValueError(f"snapkv: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
+            raise ValueError(f"{self.method_name}: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
 
-    def make_layer(self, layer_idx: int) -> EvictingLayer:
-        return EvictingLayer()
+    def min_budget(self, step: LayerStep) -> int:
+        return min(self.window, step.query_length)
 
-    def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
-        """A fresh cache with prefill hooks on ``model``'s attention modules (removed after prefill or on close)."""
-        cache = KVMethodCache(model, self.make_layer, method=self)
-        cache.observe_prefill(model, self._compress)
-        return cache
+    def window_scores(self, step: LayerStep) -> torch.Tensor:
+        """[B, Hq, S] attention each held slot gets from this forward's last ``window`` queries, summed."""
+        queries = step.queries(self.window)
+        return attention_column_scores(queries, step.keys, causal=True, reduce="sum", scaling=step.scaling)
 
-    def _compress(self, module, layer: EvictingLayer, hidden_states, position_embeddings, attention_mask) -> None:
-        length = layer.held
-        if length <= self.budget:
-            return
-        if has_padding(attention_mask):
-            raise ValueError(
-                "snapkv cannot compress a padded batch (left padding would be scored and mis-masked); "
-                "run prompts one at a time or with equal lengths"
-            )
-        window = min(self.window, hidden_states.shape[1])
-        queries = window_queries(module, hidden_states, position_embeddings, window)
-        scores = attention_column_scores(
-            queries, layer.keys, causal=True, reduce="sum", scaling=getattr(module, "scaling", None)
-        )
-        keep = snapkv_keep_indices(
-            scores,
-            budget=self.budget,
-            window=window,
-            num_kv_heads=layer.keys.shape[1],
+    def score(self, step: LayerStep) -> torch.Tensor:
+        return snapkv_scores(
+            self.window_scores(step),
+            window=min(self.window, step.query_length),
+            num_kv_heads=step.num_kv_heads,
             kernel_size=self.kernel_size,
             pooling=self.pooling,
         )
-        layer.keep(keep)

@@ -8,90 +8,75 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictingLayer, KVMethod, KVMethodCache, _check_int, attention_modules, has_padding
-
-
-class SinkWindowLayer(EvictingLayer):
-    """Cache layer that, after every update, holds the first ``sink`` tokens and the ``window`` most recent ones.
-
-    Parameters
-    ----------
-    sink : int
-        Number of initial tokens (attention sinks) kept forever.
-    window : int
-        Number of most recent tokens kept.
-
-    Notes
-    -----
-    Eviction happens after the attention of the current forward: the prompt (prefill) attends fully, as in kvpress
-    and HF practice, and each decode token attends to the ``sink + window`` held slots plus itself, then the oldest
-    non-sink slot is dropped -- as in the reference implementation's ``StartRecentKVCache``. Held keys carry their
-    original RoPE positions (no re-indexing inside the cache).
-    """
-
-    def __init__(self, sink: int, window: int, **kwargs):
-        super().__init__(**kwargs)
-        self.sink, self.window = sink, window
-
-    def after_update(self, query_length: int) -> None:
-        held = self.held
-        if held <= self.sink + self.window:
-            return
-        device = self.keys.device
-        keep = torch.cat([torch.arange(self.sink, device=device), torch.arange(held - self.window, held, device=device)])
-        self.keep(keep)
+from .base import KVScorer, LayerStep, _check_int
 
 
 @dataclass
-class StreamingLLM(KVMethod):
-    """StreamingLLM (Xiao et al., 2023, arXiv 2309.17453): keep ``sink`` first tokens + ``window`` recent tokens.
+class StreamingLLM(KVScorer):
+    """StreamingLLM (Xiao et al., 2023, arXiv 2309.17453): keep ``sink`` first tokens + the most recent ones.
 
     Parameters
     ----------
-    window : int
-        Recent tokens held per layer, >= 1 (default 256).
+    window : int or None
+        Recent tokens held per layer, >= 1 (default 256, i.e. ``budget = window + sink``).
     sink : int
         Initial "attention sink" tokens held per layer, >= 0 (default 4).
+    budget, ratio
+        Alternatively the total slots (``window = budget - sink``) or a kept fraction of the prompt
+        (``window = ceil(ratio * prompt) - sink``); see :class:`~mmaccel.longctx.base.KVScorer`.
 
     Notes
     -----
-    Each layer holds at most ``sink + window`` slots of [B, Hkv, ., D] K/V after every forward. The prompt attends
-    fully; decode tokens see ``sink + window`` slots plus themselves. Positions stay the true ones (keys are cached
-    after RoPE; ``generate`` passes true ``position_ids``). Batch > 1 keeps the same slots in every row, which is
-    exact without padding. With left padding the sinks of shorter rows would be pad tokens and the padding mask would
-    be misaligned after the first eviction, so with ``sink > 0`` a padded batch is refused at prefill: in Llama-style
-    decoders a forward hook on each self-attention module of the model checks the mask once and removes itself.
-    ``sink=0`` (a plain sliding window) stays exact with padding.
+    Score of a held slot: ``inf`` for the sinks (position < ``sink``), else its position, so the base keeps the sinks
+    and the most recent slots, after the prefill and after every decode step (``evicts_on_decode``). Each layer holds
+    at most ``sink + window`` slots of [B, Hkv, ., D] K/V after every forward. The prompt attends fully; decode tokens
+    see ``sink + window`` slots plus themselves, as in the reference ``StartRecentKVCache``. Positions stay the true
+    ones (keys are cached after RoPE; ``generate`` passes true ``position_ids``). With ``sink = 0`` (a plain sliding
+    window) left-padded batches are exact; with sinks, the sinks of shorter rows would be pad tokens, so a padded batch
+    is refused at prefill.
 
     Raises
     ------
     ValueError
-        If ``window < 1`` or ``sink < 0``; during prefill, for a left-padded batch when ``sink > 0``.
+        If ``window < 1``, ``sink < 0``, or ``window`` and ``budget`` disagree; during prefill, for a left-padded batch
+        when ``sink > 0``.
     """
 
-    window: int = 256
+    window: int | None = None
     sink: int = 4
 
     method_name = "streaming"
+    evicts_on_decode = True
 
     def __post_init__(self):
-        _check_int("streaming", "window", self.window, 1, "pass the number of recent tokens to keep, e.g. window=256")
         _check_int("streaming", "sink", self.sink, 0, "pass the number of initial sink tokens to keep, e.g. sink=4")
+        if self.window is not None:
+            _check_int("streaming", "window", self.window, 1,
+                       "pass the number of recent tokens to keep, e.g. window=256")
+            if self.budget is not None and self.budget != self.window + self.sink:
+                raise ValueError(f"streaming: budget ({self.budget}) must be window + sink "
+                                 f"({self.window} + {self.sink}); give one of them, e.g. streaming:window=256")
+            if self.ratio is not None:
+                raise ValueError("streaming: give window (tokens) or ratio (kept fraction), not both")
+            self.budget = self.window + self.sink
+        elif self.budget is None and self.ratio is None:
+            self.window = 256
+            self.budget = self.window + self.sink
+        super().__post_init__()
+        if self.budget is not None:
+            if self.budget <= self.sink:
+                raise ValueError(f"streaming: budget ({self.budget}) must exceed sink ({self.sink})")
+            self.window = self.budget - self.sink
 
-    def make_layer(self, layer_idx: int) -> SinkWindowLayer:
-        return SinkWindowLayer(sink=self.sink, window=self.window)
+    @property
+    def padding_safe(self) -> bool:
+        """Exact on left-padded batches only without sinks."""
+        return self.sink == 0
 
-    def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
-        """A fresh cache; with ``sink > 0`` it refuses padded batches at prefill (see Notes)."""
-        cache = KVMethodCache(model, self.make_layer, method=self)
-        if self.sink and attention_modules(model):
-            cache.observe_prefill(model, self._refuse_padding)
-        return cache
+    def min_budget(self, step: LayerStep) -> int:
+        return self.sink + 1
 
-    def _refuse_padding(self, module, layer, hidden_states, position_embeddings, attention_mask) -> None:
-        if has_padding(attention_mask):
-            raise ValueError(
-                "streaming cannot keep attention sinks in a padded batch (the sinks of shorter rows would be pad "
-                "tokens, and the padding mask no longer lines up once tokens are evicted); run prompts one at a time "
-                "or with equal lengths, or use streaming:sink=0"
-            )
+    def score(self, step: LayerStep) -> torch.Tensor:
+        """[B, Hkv, S]: ``inf`` for sink positions, else the position (recent = high)."""
+        pos = step.layer.positions.float()
+        return pos.masked_fill(step.layer.positions < self.sink, float("inf"))

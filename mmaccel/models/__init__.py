@@ -1,5 +1,9 @@
-"""mmaccel.models: model loading and the offline micro-model zoo."""
+"""mmaccel.models: model loading, the offline micro-model zoo, and real models fetched from the package index."""
+from .fetched import FETCHED, FetchError, fetch, list_fetched
 from .loading import ModelLoadError, load, resolve_model_path
 from .zoo import ZOO, list_models, zoo_path
 
-__all__ = ["load", "resolve_model_path", "ModelLoadError", "ZOO", "list_models", "zoo_path"]
+__all__ = [
+    "load", "resolve_model_path", "ModelLoadError", "ZOO", "list_models", "zoo_path", "FETCHED", "FetchError",
+    "fetch", "list_fetched",
+]

@@ -187,3 +187,39 @@ Length curriculum:
     card = out / "README.md"
     card.write_text(text)
     return card
+
+
+SEED_STUDY_DIR = "niah_seeds"
+
+
+def seed_study_line(name: str, labels: list[str], length: int, depth: float) -> str | None:
+    """One line with each method's accuracy over the committed many-seed study of a zoo model, for ``compare``.
+
+    Reads ``assets/models/NAME/niah_seeds/summary.json`` (written by ``mmaccel niah ... --out`` that folder). Returns
+    ``None`` when ``name`` is not a zoo model, the study does not exist, or it was made at another length or depth,
+    so that a single document is never shown without the many-document figure beside it when one exists.
+    """
+    from .fetched import FETCHED
+    from .zoo import ZOO, assets_dir
+
+    if name not in ZOO and name not in FETCHED:
+        return None
+    path = assets_dir() / name / SEED_STUDY_DIR / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    cfg = summary.get("config", {})
+    if cfg.get("lengths") != [length] or cfg.get("depths") != [depth]:
+        return None
+    parts = []
+    for label in labels:
+        m = summary["methods"].get(label)
+        if m is None or m["accuracy"] is None:
+            continue
+        ratio = (m.get("by_length") or [{}])[0].get("kv_ratio_prefill")
+        kv = "" if ratio is None or label == "full" else f" (KV ratio {ratio:.2f})"
+        parts.append(f"{label} {round(m['accuracy'] * m['n'])}/{m['n']}{kv}")
+    if not parts:
+        return None
+    return (f"Over {cfg.get('trials')} seeds at {length} tokens, depth {depth:g} (committed in "
+            f"assets/models/{name}/{SEED_STUDY_DIR}/, strict match): " + ", ".join(parts) + ".")

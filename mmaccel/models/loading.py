@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .fetched import FETCHED, FetchError, fetch, is_fetched, verify
 from .zoo import ZOO, zoo_path
 
 logger = logging.getLogger(__name__)
@@ -47,16 +48,29 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> str:
     """Turn a zoo name, a local directory or a hub id into what ``from_pretrained`` takes.
+
+    A fetched zoo model (``smollm2-135m``, ``dinov2-small``) is downloaded and converted on first use
+    (:func:`mmaccel.models.fetched.fetch`), and its cached files are checked against their sha256 on every call.
 
     Raises
     ------
     ModelLoadError
-        A zoo model whose weights are missing (names the train command), a path that does not exist, a local
-        directory without ``config.json``, or a string that is neither a path nor a hub id.
+        A trained zoo model whose weights are missing (names the train command), a fetched zoo model that cannot be
+        fetched (no network and no cache: names the fetch command) or whose cached files are corrupted (deleted,
+        names the fetch command), a path that does not exist, a local directory without ``config.json``, or a
+        string that is neither a path nor a hub id (the message lists the zoo).
     """
     name = str(name_or_path)
+    if name in FETCHED:
+        try:
+            if not is_fetched(name, cache_dir):
+                logger.warning("%s is not in the cache yet: fetching and converting it once", name)
+                fetch(name, cache_dir=cache_dir)
+            return str(verify(name, cache_dir))
+        except FetchError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if name in ZOO:
         path = zoo_path(name)
         if not (path / "config.json").exists():
@@ -70,30 +84,34 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     if _looks_like_hub_id(name):
         return name
     raise ModelLoadError(
-        f"unknown model {name!r}: not a zoo model ({', '.join(ZOO)}), not an existing local directory, "
+        f"unknown model {name!r}: not a zoo model ({', '.join([*ZOO, *FETCHED])}), not an existing local directory, "
         "and not a hub id of the form 'org/name'"
     )
 
 
-def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None):
+def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None, cache_dir=None):
     """Load a causal LM (or vision-language model) and its tokenizer or processor.
 
     Parameters
     ----------
     name_or_path : str or path
-        A zoo name (``micro-lm``, ``micro-draft``; see ``mmaccel zoo list``), a local HF checkpoint directory, or a
-        hub id (``org/name``; needs network access and no ``HF_HUB_OFFLINE``).
+        A zoo name (``micro-lm``, ``micro-draft``, or the fetched ``smollm2-135m``, ``dinov2-small``; see
+        ``mmaccel zoo list``), a local HF checkpoint directory, or a hub id (``org/name``; needs network access and
+        no ``HF_HUB_OFFLINE``).
     device : str
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:N]"``.
     dtype : torch.dtype or str, optional
         Default: bfloat16 on CUDA, float32 on CPU.
     attn_implementation : str, optional
         ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"`` or ``"mmaccel"``.
+    cache_dir : path, optional
+        Where fetched zoo models are cached (default ``$XDG_CACHE_HOME/mmaccel/models``).
 
     Returns
     -------
     (model, tokenizer)
-        The model in eval mode on ``device``; the tokenizer, or the processor for multimodal checkpoints.
+        The model in eval mode on ``device``; the tokenizer, or the processor for multimodal checkpoints, or the
+        image processor for a vision encoder (e.g. ``dinov2-small`` -> ``Dinov2Model``).
 
     Raises
     ------
@@ -103,7 +121,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    source = resolve_model_path(name_or_path)
+    source = resolve_model_path(name_or_path, cache_dir=cache_dir)
     is_local = Path(source).exists()
     if not is_local and _offline():
         raise ModelLoadError(
@@ -131,7 +149,12 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = None
     errors = []
-    for auto in _auto_classes():
+    classes = _auto_classes()
+    if _is_encoder_only(config):
+        from transformers import AutoModel
+
+        classes = [AutoModel]
+    for auto in classes:
         try:
             model = auto.from_pretrained(source, config=config, **kwargs)
             break
@@ -148,20 +171,41 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     return model, tokenizer
 
 
-def _auto_classes():
-    from transformers import AutoModelForCausalLM
+def load_tokenizer(name_or_path, *, cache_dir=None):
+    """Load only the tokenizer (or processor) of a model, in seconds, e.g. to validate prompts before a slow load.
 
-    classes = [AutoModelForCausalLM]
+    Same names and errors as :func:`load` (a fetched zoo model is fetched first).
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(name_or_path, cache_dir=cache_dir)
+    if not Path(source).exists() and _offline():
+        raise ModelLoadError(
+            f"{source!r} looks like a hub id, but the hub is offline (HF_HUB_OFFLINE is set or there is no network): "
+            "download the checkpoint elsewhere and pass its local directory instead"
+        )
     try:
-        from transformers import AutoModelForImageTextToText
+        return _load_tokenizer(source, AutoTokenizer)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a tokenizer for {source}: {exc}") from exc
 
-        classes.append(AutoModelForImageTextToText)
-    except ImportError:  # pragma: no cover - older transformers
-        pass
-    return classes
+
+def _auto_classes():
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return [AutoModelForCausalLM, AutoModelForImageTextToText]
+
+
+def _is_encoder_only(config) -> bool:
+    """A vision encoder (e.g. Dinov2) that mmaccel loads as a bare ``AutoModel``."""
+    return getattr(config, "model_type", None) in {"dinov2", "clip_vision_model", "siglip_vision_model"}
 
 
 def _load_tokenizer(source: str, auto_tokenizer):
+    if not Path(source, "tokenizer_config.json").exists() and Path(source, "preprocessor_config.json").exists():
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(source)
     try:
         from transformers import AutoProcessor
 

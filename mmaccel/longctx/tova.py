@@ -1,0 +1,39 @@
+"""TOVA: at every step, drop the slot the current query attends to least (head-averaged).
+
+Oren et al., "Transformers are Multi-State RNNs", 2024, arXiv 2401.06104.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import attention_column_scores
+from .base import KVScorer, LayerStep
+
+
+@dataclass
+class TOVA(KVScorer):
+    """TOVA (Oren et al., 2024, arXiv 2401.06104): keep the slots the last query attends to most.
+
+    Score of a held slot: the attention probability the last query of this forward gives it, averaged over all query
+    heads of the layer (as in the paper, so every KV head keeps the same slots), [B, Hkv, S]. Evicts after the prefill
+    and after every decode step (``evicts_on_decode``), back to ``budget`` slots.
+
+    Parameters
+    ----------
+    budget, ratio
+        Slots kept per layer (default 256) or a kept fraction of the prompt.
+
+    Raises
+    ------
+    ValueError
+        On a bad budget or ratio; during prefill, for a padded batch.
+    """
+
+    method_name = "tova"
+    evicts_on_decode = True
+
+    def score(self, step: LayerStep) -> torch.Tensor:
+        column = attention_column_scores(step.queries(1), step.keys, causal=True, scaling=step.scaling)  # [B, Hq, S]
+        return column.mean(dim=1, keepdim=True).expand(-1, step.num_kv_heads, -1)

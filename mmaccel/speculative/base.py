@@ -1,0 +1,166 @@
+"""What a drafter is: the plug-in interface of the draft-and-verify engine, and the helpers drafters share.
+
+A drafter says only how it proposes tokens; verification, KV rollback of the target and telemetry live once in
+:func:`mmaccel.speculative.speculative_generate`. The engine calls, per generation:
+
+1. :meth:`Drafter.begin` once, with the target and the (left-padded) prompt;
+2. per step, :meth:`Drafter.propose` with the committed sequences (the last column is the *pending* token, the one
+   the target has not yet seen) and a maximum draft length ``k``; it returns a :class:`Draft` of ``0 .. k`` tokens
+   per row (the same number for every row);
+3. :meth:`Drafter.observe` with the target's logits of that verification forward and the number of draft tokens
+   kept, so stateful drafters can roll back (a draft model crops its own KV cache) or reuse the target's output
+   (Jacobi);
+4. :meth:`Drafter.end`, which returns the drafter's telemetry.
+
+A drafter whose draft tokens are a deterministic function of the past (prompt lookup, Jacobi) returns
+``probs=None``: verification then treats its ``q`` as one-hot, which keeps speculative sampling lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from transformers import Cache
+
+from .sampling import Sampler
+
+
+@dataclass
+class Draft:
+    """Proposed tokens for one step: the ``x_i ~ q_i`` of speculative sampling (Leviathan et al., 2023,
+    arXiv 2211.17192).
+
+    Attributes
+    ----------
+    tokens : torch.LongTensor
+        [B, k] draft tokens, ``k >= 0`` (the same ``k`` for every row).
+    probs : torch.Tensor or None
+        [B, k, V] float32 distributions the tokens were drawn from (filtered by the shared :class:`Sampler`), or
+        ``None`` for deterministic drafts (one-hot ``q``).
+    forwards : int
+        Draft-model forward passes spent on this proposal (0 for model-free drafters).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    forwards: int = 0
+
+    @property
+    def length(self) -> int:
+        """Number of draft tokens per row, ``k``."""
+        return int(self.tokens.shape[1])
+
+
+class Drafter:
+    """Base class of the drafters in :data:`mmaccel.speculative.METHODS`.
+
+    Subclasses implement :meth:`propose` and, when they keep state, :meth:`begin`, :meth:`observe` and
+    :meth:`end`. ``lossless`` says whether greedy output is guaranteed to equal plain greedy decoding (every drafter
+    verified by the engine is; the flag exists for relaxed-acceptance methods that are not).
+
+    Notes
+    -----
+    The engine implements speculative decoding as in Leviathan et al., "Fast Inference from Transformers via
+    Speculative Decoding", 2023, arXiv 2211.17192, and Chen et al., "Accelerating Large Language Model Decoding with
+    Speculative Sampling", 2023, arXiv 2302.01318.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True
+
+    def begin(self, target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              sampler: Sampler) -> None:
+        """Start one generation.
+
+        Parameters
+        ----------
+        target : transformers.PreTrainedModel
+            The model being decoded.
+        input_ids : torch.LongTensor
+            [B, L] left-padded prompt.
+        attention_mask : torch.LongTensor
+            [B, L], 1 for real tokens, 0 for left padding.
+        sampler : Sampler
+            The decoding distribution shared with the target.
+
+        Raises
+        ------
+        ValueError
+            If the drafter cannot serve this target (e.g. a different vocabulary).
+        """
+
+    def propose(self, sequences: torch.Tensor, attention_mask: torch.Tensor, k: int, sampler: Sampler,
+                generator: torch.Generator | None = None) -> Draft:
+        """Propose up to ``k`` tokens to follow ``sequences``.
+
+        Parameters
+        ----------
+        sequences : torch.LongTensor
+            [B, T] committed tokens, left-padded; the last column is the pending token.
+        attention_mask : torch.LongTensor
+            [B, T], 0 on left padding.
+        k : int
+            Maximum draft length, ``>= 1``.
+        sampler : Sampler
+            Greedy drafters take the argmax; sampling drafters draw from ``sampler.probs`` and return them.
+        generator : torch.Generator, optional
+            Randomness for sampling drafters.
+
+        Returns
+        -------
+        Draft
+            ``0 .. k`` tokens per row.
+        """
+        raise NotImplementedError
+
+    def observe(self, target_logits: torch.Tensor, draft: Draft, kept: int) -> None:
+        """See the verification result of the last :meth:`propose`.
+
+        Parameters
+        ----------
+        target_logits : torch.Tensor
+            [B, draft.length + 1, V] the target's logits at the pending token and at each draft token.
+        draft : Draft
+            What :meth:`propose` returned.
+        kept : int
+            Draft tokens committed to every row (the engine then appends one target token); the sequences of the
+            next :meth:`propose` are the previous ones + ``draft.tokens[:, :kept]`` + one new pending token.
+        """
+
+    def end(self) -> dict:
+        """Finish the generation; release per-generation state and return JSON-serialisable telemetry."""
+        return {}
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of a left-padded batch: ``cumsum(mask) - 1``, pads clamped to 0 (RoFormer, Su et al., 2021,
+    arXiv 2104.09864; the rule transformers' ``generate`` applies).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor
+        [B, T], 1 for real tokens, 0 for padding.
+
+    Returns
+    -------
+    torch.LongTensor
+        [B, T] position ids (what ``generate`` derives, so cached keys match plain decoding).
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+
+
+def crop_cache(cache: Cache, length: int) -> None:
+    """Roll a ``DynamicCache`` back to its first ``length`` slots with transformers' own ``crop`` (the KV rollback of
+    rejected draft tokens in speculative decoding, Leviathan et al., 2023, arXiv 2211.17192).
+
+    Parameters
+    ----------
+    cache : transformers.DynamicCache
+        The cache to shorten in place.
+    length : int
+        Slots to keep, ``0 <= length``; a no-op when the cache holds no more than that.
+    """
+    held = cache.get_seq_length()
+    if held > length:
+        cache.crop(length - held)  # transformers 5: a negative count of slots to remove

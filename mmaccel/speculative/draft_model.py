@@ -1,0 +1,173 @@
+"""Draft model: a smaller causal LM with the target's tokenizer proposes ``k`` tokens autoregressively.
+
+Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding", 2023, arXiv 2211.17192;
+Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling", 2023, arXiv 2302.01318.
+"""
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+from transformers import DynamicCache
+
+from .base import Draft, Drafter, crop_cache, positions_from_mask
+from .sampling import Sampler
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL = ("bos_token_id", "eos_token_id")
+
+
+def check_same_vocabulary(draft_model, target, draft_tokenizer=None, target_tokenizer=None) -> None:
+    """Refuse a draft that does not share the target's vocabulary (speculative decoding compares draft and target
+    distributions token id by token id: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding",
+    2023, arXiv 2211.17192).
+
+    Parameters
+    ----------
+    draft_model, target : transformers.PreTrainedModel
+        Their ``config.vocab_size`` (logit widths) and BOS/EOS ids must match (``None`` on one side is not checked).
+    draft_tokenizer, target_tokenizer : tokenizer, optional
+        When both are given, their ``get_vocab()`` maps must be identical.
+
+    Raises
+    ------
+    ValueError
+        On any mismatch; the message says to use a draft trained with the target's tokenizer.
+    """
+    fix = "use a draft model trained with the target's tokenizer (e.g. micro-draft for micro-lm)"
+    dv = getattr(draft_model.config, "vocab_size", None)
+    tv = getattr(target.config, "vocab_size", None)
+    if dv != tv:
+        raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}); {fix}")
+    for name in _SPECIAL:
+        d, t = getattr(draft_model.config, name, None), getattr(target.config, name, None)
+        if d is not None and t is not None and d != t:
+            raise ValueError(f"the draft model's {name} ({d}) differs from the target's ({t}): a different tokenizer; "
+                             f"{fix}")
+    if (draft_tokenizer is not None and target_tokenizer is not None
+            and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab()):
+        raise ValueError(f"the draft model's tokenizer maps tokens to ids differently from the target's; {fix}")
+
+
+class DraftModel(Drafter):
+    """Speculative decoding with a separate, smaller draft LM (Leviathan et al., "Fast Inference from Transformers via
+    Speculative Decoding", 2023, arXiv 2211.17192; Chen et al., "Accelerating Large Language Model Decoding with
+    Speculative Sampling", 2023, arXiv 2302.01318).
+
+    The draft keeps its own ``DynamicCache`` across steps and crops it to the tokens the target kept, so each step
+    costs ``k`` one-or-two-token draft forwards. Greedy decoding drafts the argmax; sampling draws from the draft's
+    distribution filtered like the target's and hands it (``q``, [B, k, V]) to verification.
+
+    Parameters
+    ----------
+    model : str or transformers.PreTrainedModel
+        A model object, or a name loaded lazily with :func:`mmaccel.models.load` on the target's device and dtype
+        (a zoo name such as ``"micro-draft"``, a local checkpoint directory, or a hub id).
+    tokenizer : tokenizer, optional
+        The draft's tokenizer (loaded with the model when ``model`` is a name).
+    target_tokenizer : tokenizer, optional
+        The target's tokenizer; when given, vocabularies are compared entry by entry at :meth:`begin`.
+    stop_below : float, optional
+        SpecDec++-style early stop (Huang et al., 2024, arXiv 2405.19715, training-free analogue): stop drafting
+        once the draft's estimate of "all drafted tokens accepted", the product of its top-1 probabilities (the
+        minimum over rows), falls below this value, in ``(0, 1)``. ``None`` (default) always drafts ``k`` tokens.
+
+    Raises
+    ------
+    ValueError
+        At :meth:`begin`: a draft whose vocabulary size, BOS/EOS ids or tokenizer differ from the target's; at
+        construction, ``stop_below`` outside ``(0, 1)``.
+    """
+
+    name: ClassVar[str] = "draft"
+
+    def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None, stop_below: float | None = None):
+        if stop_below is not None and not 0.0 < float(stop_below) < 1.0:
+            raise ValueError(f"stop_below must be in (0, 1) or None, got {stop_below!r}")
+        self.model_ref = model
+        self.model = None if isinstance(model, str) else model
+        self.tokenizer = tokenizer
+        self.target_tokenizer = target_tokenizer
+        self.stop_below = stop_below
+        self._cache = None
+        self._mask = None
+        self._forwards = 0
+
+    def _load(self, target) -> None:
+        if self.model is not None:
+            return
+        from ..models import load
+
+        dtype = next(target.parameters()).dtype
+        with torch.inference_mode(False):  # real parameters, not inference tensors, even when called from generation
+            self.model, self.tokenizer = load(self.model_ref, device=str(target.device), dtype=dtype)
+        logger.info("loaded draft model %s", self.model_ref)
+
+    def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
+        """Load the draft if needed, check its vocabulary against the target's, start a fresh draft cache.
+
+        Raises
+        ------
+        ValueError
+            A different vocabulary size, BOS/EOS ids or tokenizer (see :func:`check_same_vocabulary`).
+        """
+        self._load(target)
+        check_same_vocabulary(self.model, target, self.tokenizer, self.target_tokenizer)
+        self._cache = DynamicCache(config=self.model.config)
+        self._forwards = 0
+        self._proposed = 0
+
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the draft on the new ``tokens`` [B, n] given the full mask [B, S + n]; returns last logits [B, V]."""
+        n = tokens.shape[1]
+        pos = positions_from_mask(mask)[:, -n:]
+        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=self._cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        self._forwards += 1
+        return logits
+
+    def propose(self, sequences, attention_mask, k, sampler, generator=None) -> Draft:
+        """Draft up to ``k`` tokens; see :meth:`Drafter.propose`. Returns probabilities [B, k, V] when sampling."""
+        device = next(self.model.parameters()).device
+        seq, mask = sequences.to(device), attention_mask.to(device)
+        held = self._cache.get_seq_length()
+        forwards0 = self._forwards
+        logits = self._forward(seq[:, held:], mask)
+        tokens, probs = [], []
+        confidence = torch.ones(seq.shape[0], device=device)
+        for i in range(k):
+            tok, p = sampler.choose(logits, generator)
+            tokens.append(tok)
+            probs.append(p)
+            if self.stop_below is not None:
+                top1 = (p if not sampler.greedy else self.model_probs(logits)).max(dim=-1).values
+                confidence = confidence * top1
+                if float(confidence.min()) < self.stop_below:
+                    break
+            if i + 1 < k:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                logits = self._forward(tok[:, None], mask)
+        self._proposed += len(tokens)
+        draft_tokens = torch.stack(tokens, dim=1)
+        draft_probs = None if sampler.greedy else torch.stack(probs, dim=1)
+        return Draft(tokens=draft_tokens, probs=draft_probs, forwards=self._forwards - forwards0)
+
+    @staticmethod
+    def model_probs(logits: torch.Tensor) -> torch.Tensor:
+        """Unfiltered softmax of draft logits, [B, V] float32 (the confidence used by ``stop_below`` when greedy)."""
+        return logits.float().softmax(dim=-1)
+
+    def observe(self, target_logits, draft: Draft, kept: int) -> None:
+        """Crop the draft cache to the committed tokens (the previous sequence + ``kept`` draft tokens)."""
+        held = self._cache.get_seq_length()
+        # the cache holds the previous sequence + d_1 .. d_{k-1}; d_1 .. d_kept stay valid
+        crop_cache(self._cache, held - (draft.length - 1) + kept if draft.length else held)
+
+    def end(self) -> dict:
+        """Free the draft cache; report draft forwards and tokens."""
+        telemetry = {"draft_model": str(getattr(self.model, "name_or_path", self.model_ref)),
+                     "draft_forwards": self._forwards, "draft_tokens": getattr(self, "_proposed", 0)}
+        self._cache = None
+        return telemetry

@@ -1,0 +1,416 @@
+"""The draft-and-verify engine: one loop, any drafter, transformers' ``DynamicCache`` with ``crop`` for rollback.
+
+State between steps: the target's cache holds K/V of every committed token except the last one, the *pending*
+token. A step feeds ``[pending, d_1 .. d_k]`` (``k + 1`` tokens, true ``position_ids`` passed explicitly) to the
+target, whose ``k + 1`` output distributions verify the drafts and supply one more token; the cache is then cropped
+back to the committed tokens. The prompt minus its last token is the prefill, so every generated token, the first
+included, comes out of a verification forward.
+
+Batch > 1 (left padding) shares one cache, so every row commits the same number of tokens per step: the minimum
+``m`` of the rows' accepted counts (rows that are already finished do not count). Each row then appends its own first
+``m`` draft tokens and the token at position ``m``: the target's correction/bonus token for the rows that stopped at
+``m``, and the row's own draft token ``d_{m+1}`` for rows that had accepted it -- which the target had already
+accepted there (greedy: it equals the argmax; sampling: it passed the acceptance test, so it is a draw from ``p``).
+Truncating at ``m``, which depends only on other rows' independent draws and the row's own earlier acceptances, is a
+stopping time, so every row's output is still exactly distributed as (greedy: equal to) its own plain decoding.
+Per-row acceptance is recorded before taking the minimum (``SpeculativeOutput.accepted_per_row``); what the minimum
+costs is the gap between ``row_mean_accepted_length`` and ``mean_accepted_length``.
+
+References
+----------
+Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding", 2023, arXiv 2211.17192.
+Chen, Borgeaud, Irving, Lespiau, Sifre, Jumper, "Accelerating Large Language Model Decoding with Speculative
+Sampling", 2023, arXiv 2302.01318.
+Xia et al., "Unlocking Efficiency in Large Language Model Inference: A Comprehensive Survey of Speculative Decoding"
+(Spec-Bench), 2024, arXiv 2401.07851 -- the telemetry (mean accepted tokens per target forward).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..longctx import kv_cache_bytes
+from . import verify as _verify
+from .base import Draft, Drafter, crop_cache, positions_from_mask
+from .sampling import Sampler
+from .schedule import AdaptiveDraftLength, check_draft_length
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeculativeOutput:
+    """Result and telemetry of :func:`speculative_generate`: the fields Spec-Bench reports (Xia et al., "Unlocking
+    Efficiency in Large Language Model Inference: A Comprehensive Survey of Speculative Decoding", 2024,
+    arXiv 2401.07851): mean accepted tokens, acceptance rate, draft/verify time split.
+
+    Attributes
+    ----------
+    sequences : torch.LongTensor
+        [B, L + n] the prompt (as given, left padding kept) followed by ``n`` generated tokens; rows that stopped at
+        EOS are filled with ``pad_token_id``, exactly like ``model.generate``.
+    prompt_length : int
+        ``L``, the prompt columns of ``sequences``.
+    target_forwards : int
+        Target forward passes, the prefill included (autoregressive decoding of ``n`` tokens needs ``n``).
+    draft_forwards : int
+        Forward passes of a draft model (0 for model-free drafters).
+    proposed : list of int
+        Draft tokens proposed per row at each verification step.
+    accepted : list of int
+        Draft tokens committed at each step (the same for every row; the minimum over unfinished rows).
+    accepted_per_row : list of list of int
+        Draft tokens each row's verification accepted at each step, before the minimum; finished rows are ``-1``.
+    draft_seconds, verify_seconds : float
+        Wall time in the drafter (``propose`` + ``observe``) and in target forwards + verification, seconds (the
+        prefill is in ``prefill_seconds``). On CUDA both are measured after ``torch.cuda.synchronize``.
+    prefill_seconds : float
+        Wall time of the target prefill, seconds.
+    first_token_seconds : float
+        From the call to the end of the first verification step (the first committed token), seconds: the TTFT a
+        harness reports. ``total_seconds``: the whole call, seconds.
+    kv_cache_bytes : int
+        Bytes of the target's K/V the cache holds at the end (:func:`mmaccel.longctx.kv_cache_bytes`); the draft
+        model's cache is not counted.
+    draft_lengths : list of int
+        The draft length asked for at each step (varies with :class:`AdaptiveDraftLength`).
+    drafter : str
+        Registry name of the drafter.
+    drafter_telemetry : dict
+        What the drafter reported (:meth:`Drafter.end`).
+    """
+
+    sequences: torch.Tensor
+    prompt_length: int
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    proposed: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+    accepted_per_row: list = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    total_seconds: float = 0.0
+    kv_cache_bytes: int = 0
+    draft_lengths: list = field(default_factory=list)
+    drafter: str = ""
+    drafter_telemetry: dict = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        """Generated columns ``n`` (the longest row's count; finished rows are padded)."""
+        return int(self.sequences.shape[1] - self.prompt_length)
+
+    @property
+    def steps(self) -> int:
+        """Verification forwards (target forwards minus the prefill)."""
+        return len(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens over all steps and unfinished rows (per-row acceptance, before the
+        batch minimum); ``None`` when nothing was proposed."""
+        proposed = accepted = 0
+        for k, row in zip(self.proposed, self.accepted_per_row):
+            live = [a for a in row if a >= 0]
+            proposed += k * len(live)
+            accepted += sum(live)
+        return accepted / proposed if proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens committed per verification forward, ``mean(accepted + 1)`` (Spec-Bench's "mean accepted tokens";
+        1.0 = no gain over autoregressive decoding); ``None`` before any step."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else None
+
+    @property
+    def row_mean_accepted_length(self) -> list:
+        """Per row, ``mean(accepted + 1)`` of its own verification (what a per-row cache would have committed)."""
+        if not self.accepted_per_row:
+            return []
+        out = []
+        for b in range(len(self.accepted_per_row[0])):
+            vals = [row[b] + 1 for row in self.accepted_per_row if row[b] >= 0]
+            out.append(sum(vals) / len(vals) if vals else None)
+        return out
+
+    @property
+    def forward_ratio(self) -> float | None:
+        """Target forwards of autoregressive decoding (``new_tokens``) divided by this run's: the forward-pass
+        speedup, before any cost of drafting; ``None`` if nothing was generated."""
+        return self.new_tokens / self.target_forwards if self.target_forwards and self.new_tokens else None
+
+    def telemetry(self) -> dict:
+        """The JSON-serialisable summary a ``RunRecord.telemetry`` holds (no tensors)."""
+        return {
+            "drafter": self.drafter,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "steps": self.steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "row_mean_accepted_length": self.row_mean_accepted_length,
+            "forward_ratio": self.forward_ratio,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "first_token_seconds": self.first_token_seconds,
+            "total_seconds": self.total_seconds,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "proposed": list(self.proposed),
+            "accepted": list(self.accepted),
+            "draft_lengths": list(self.draft_lengths),
+            "drafter_telemetry": dict(self.drafter_telemetry),
+        }
+
+
+def _eos_list(model, eos_token_id) -> list[int]:
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "config":
+            raise ValueError(f"eos_token_id must be an int, a list of ints, None or 'config', got {eos_token_id!r}")
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(e) for e in eos_token_id]
+
+
+def _pad_id(model, pad_token_id, eos: list[int]) -> int:
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return int(pad)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _as_batch(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(ids.shape)}")
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        mask = torch.as_tensor(attention_mask, device=ids.device).long()
+        if mask.dim() == 1:
+            mask = mask[None]
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+        if bool((mask[:, -1] == 0).any()):
+            raise ValueError("speculative_generate needs left padding (every row's last token real); "
+                             "tokenize with padding_side='left'")
+        if bool((mask.sum(dim=1) == 0).any()):
+            raise ValueError("a row of attention_mask is all padding; every prompt needs at least one token")
+    return ids.long(), mask
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model,
+    input_ids,
+    drafter: Drafter,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_draft_tokens: int | AdaptiveDraftLength = 4,
+    eos_token_id="config",
+    pad_token_id: int | None = None,
+    attention_mask=None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Decode with draft-and-verify: exact greedy, or lossless speculative sampling.
+
+    Greedy output is token-identical to ``model.generate(do_sample=False)``; with ``temperature > 0`` every token is
+    distributed exactly as ``model.generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` would draw it
+    (Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", 2023, arXiv 2211.17192; Chen et
+    al., "Accelerating Large Language Model Decoding with Speculative Sampling", 2023, arXiv 2302.01318).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The target causal LM (any model whose forward takes ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``past_key_values`` and returns ``.logits``).
+    input_ids : torch.LongTensor
+        [B, L] or [L] prompt token ids, left-padded when ``B > 1`` rows differ in length.
+    drafter : Drafter
+        A drafter from :data:`mmaccel.speculative.METHODS` (e.g. ``DraftModel``, ``PromptLookup``, ``Jacobi``).
+    max_new_tokens : int
+        Most tokens to generate per row, ``>= 1``.
+    temperature : float
+        ``0`` = greedy (default); ``> 0`` = speculative sampling at that temperature.
+    top_k, top_p : optional
+        Filters applied identically to draft and target distributions (transformers' order and rules).
+    num_draft_tokens : int or AdaptiveDraftLength
+        Draft tokens per step, ``>= 1``, or an adaptive schedule driven by the running acceptance rate.
+    eos_token_id : int, list of int, None or "config"
+        Stop tokens; ``"config"`` (default) takes ``model.generation_config.eos_token_id`` like ``generate``;
+        ``None`` never stops early.
+    pad_token_id : int, optional
+        Filler after EOS; default the generation config's pad token, else the first EOS id.
+    attention_mask : torch.LongTensor, optional
+        [B, L], 0 on left padding; default all ones.
+    generator : torch.Generator, optional
+        Randomness for sampling (uniforms, residual resampling and the draft model's draws), on the model's device.
+
+    Returns
+    -------
+    SpeculativeOutput
+        ``sequences`` [B, L + n] and telemetry: target and draft forward passes, proposed/accepted tokens per step,
+        ``acceptance_rate``, ``mean_accepted_length``, ``forward_ratio``, draft vs verify seconds.
+
+    Raises
+    ------
+    ValueError
+        ``temperature < 0``, ``num_draft_tokens <= 0``, ``max_new_tokens < 1``, bad ``top_k``/``top_p``, right
+        padding, or a drafter that cannot serve this target (e.g. a draft model with another vocabulary or
+        tokenizer); each message names the fix.
+    TypeError
+        If ``drafter`` is not a :class:`Drafter`.
+
+    Notes
+    -----
+    Batch rows share one cache and commit the minimum of their accepted counts per step (see the module docstring);
+    each row still equals its own plain decoding. Exact equality with ``generate`` in greedy mode holds up to
+    floating-point differences between a ``k + 1``-token forward and one-token forwards (only exact near-ties of
+    the two best logits can flip).
+    """
+    sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_draft_length(num_draft_tokens)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a Drafter (see mmaccel.speculative.METHODS), got {type(drafter).__name__}")
+    device = getattr(model, "device", torch.device("cpu"))
+    ids, mask = _as_batch(input_ids, attention_mask)
+    ids, mask = ids.to(device), mask.to(device)
+    B, L = ids.shape
+    eos = _eos_list(model, eos_token_id)
+    pad = _pad_id(model, pad_token_id, eos)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    schedule = num_draft_tokens if isinstance(num_draft_tokens, AdaptiveDraftLength) else None
+    if schedule is not None:
+        schedule.reset()
+
+    out = SpeculativeOutput(sequences=ids, prompt_length=L, drafter=getattr(drafter, "name", type(drafter).__name__))
+    cache = DynamicCache(config=model.config)
+    seq, seq_mask = ids, mask
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    new = 0
+
+    _sync(device)
+    t_start = t0 = time.perf_counter()
+    drafter.begin(model, ids, mask, sampler)
+    try:
+        _sync(device)
+        out.draft_seconds += time.perf_counter() - t0
+        if L > 1:
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions_from_mask(mask)[:, :-1],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            out.prefill_seconds += time.perf_counter() - t0
+            out.target_forwards += 1
+
+        while new < max_new_tokens:
+            left = max_new_tokens - new
+            k_ask = schedule.next_length() if schedule is not None else num_draft_tokens
+            k_ask = min(k_ask, left - 1)
+            t0 = time.perf_counter()
+            if k_ask > 0:
+                draft = drafter.propose(seq, seq_mask, k_ask, sampler, generator)
+                if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or not 0 <= draft.length <= k_ask:
+                    raise RuntimeError(f"{out.drafter} proposed tokens of shape {tuple(draft.tokens.shape)}; "
+                                       f"expected [{B}, 0..{k_ask}]")
+            else:
+                draft = Draft(tokens=seq.new_zeros(B, 0))
+            _sync(device)
+            out.draft_seconds += time.perf_counter() - t0
+            out.draft_forwards += draft.forwards
+            k = draft.length
+            draft_tokens = draft.tokens.to(device)
+
+            t0 = time.perf_counter()
+            step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
+            step_mask = torch.cat([seq_mask, seq_mask.new_ones(B, k)], dim=1)
+            start = positions_from_mask(seq_mask)[:, -1:]
+            position_ids = start + torch.arange(k + 1, device=device)[None]
+            logits = model(input_ids=step_in, attention_mask=step_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=True).logits[:, -(k + 1):]
+            out.target_forwards += 1
+            if sampler.greedy:
+                acc_rows, next_rows = _verify.verify_greedy(logits, draft_tokens)
+            else:
+                probs = sampler.probs(logits)
+                q = None if draft.probs is None else draft.probs.to(device=device, dtype=torch.float32)
+                acc_rows, next_rows = _verify.verify_sampled(probs, draft_tokens, q, generator)
+            live = ~finished
+            m = int(acc_rows[live].min()) if k > 0 else 0
+            # row b appends d_1..d_m and then: its own d_{m+1} if it accepted it, else the target's token
+            own = acc_rows > m
+            tail = next_rows.clone()
+            if k > m:
+                tail = torch.where(own, draft_tokens[:, m], next_rows)
+            chunk = torch.cat([draft_tokens[:, :m], tail[:, None]], dim=1)[:, :left]  # [B, c]
+            # EOS: pad finished rows and everything after a row's first EOS, like generate
+            if eos:
+                is_eos = torch.isin(chunk, eos_t)
+                after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
+                chunk = chunk.masked_fill(after | finished[:, None], pad)
+                now_done = finished | is_eos.any(dim=1)
+                if bool(now_done.all()):
+                    # generate stops at the step where the last row finishes: cut the chunk there
+                    first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1),
+                                            torch.full_like(acc_rows, -1))
+                    chunk = chunk[:, : int(first_eos.max()) + 1]
+                finished = now_done
+            else:
+                chunk = chunk.masked_fill(finished[:, None], pad)
+            held = seq.shape[1]  # pending token + accepted drafts: the first `held + m` slots stay valid
+            crop_cache(cache, held + m)
+            _sync(device)
+            out.verify_seconds += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            drafter.observe(logits, draft, m)
+            _sync(device)
+            out.draft_seconds += time.perf_counter() - t0
+
+            seq = torch.cat([seq, chunk], dim=1)
+            seq_mask = torch.cat([seq_mask, seq_mask.new_ones(B, chunk.shape[1])], dim=1)
+            new += chunk.shape[1]
+            out.proposed.append(k)
+            out.accepted.append(m)
+            out.accepted_per_row.append([int(a) if ok else -1 for a, ok in zip(acc_rows.tolist(), live.tolist())])
+            out.draft_lengths.append(k_ask)
+            if out.steps == 1:
+                out.first_token_seconds = time.perf_counter() - t_start
+            if schedule is not None:
+                schedule.update(k, m)
+            if bool(finished.all()):
+                break
+    finally:
+        out.drafter_telemetry = drafter.end()
+    out.sequences = seq
+    out.kv_cache_bytes = kv_cache_bytes(cache)
+    out.total_seconds = time.perf_counter() - t_start
+    logger.debug("speculative_generate: %d tokens, %d target forwards, mean accepted length %s",
+                 out.new_tokens, out.target_forwards, out.mean_accepted_length)
+    return out

@@ -1,0 +1,263 @@
+"""mmaccel.speculative: greedy exactness of every drafter, batch > 1 per row, telemetry, adaptive length, errors."""
+import json
+import types
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import mmaccel
+from mmaccel.speculative import (
+    METHODS,
+    AdaptiveDraftLength,
+    DraftModel,
+    Jacobi,
+    PromptLookup,
+    Sampler,
+    build_drafter,
+    check_same_vocabulary,
+    speculative_generate,
+)
+
+MAX_NEW = 40
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def micro():
+    model, tok = mmaccel.load("micro-lm", device="cpu")
+    draft, _ = mmaccel.load("micro-draft", device="cpu")
+    return model, tok, draft
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(layers=2, vocab_size=128, seed=0), tiny_llama(layers=1, vocab_size=128, seed=1)
+
+
+def _text_prompt(tok, text: str, n: int = 48) -> torch.Tensor:
+    return tok(" ".join(text.split()), return_tensors="pt").input_ids[:, :n]
+
+
+def _plain(model, ids, max_new=MAX_NEW, **kw) -> torch.Tensor:
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, **kw)
+
+
+def _drafters(draft_model):
+    return {"draft": DraftModel(draft_model), "prompt_lookup": PromptLookup(), "jacobi": Jacobi()}
+
+
+# ---------------------------------------------------------------------------------------------- greedy exactness
+@pytest.mark.parametrize("name", ["draft", "prompt_lookup", "jacobi"])
+def test_greedy_equals_generate_on_micro_lm(micro, name):
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+    ref = _plain(model, ids)
+    drafter = build_drafter("draft:model=micro-draft") if name == "draft" else _drafters(draft)[name]  # lazy load
+    out = speculative_generate(model, ids, drafter, max_new_tokens=MAX_NEW, num_draft_tokens=4)
+    assert torch.equal(out.sequences, ref)
+    # telemetry is consistent: one prefill + one forward per step, each step commits accepted + 1 tokens
+    assert out.target_forwards == out.steps + 1
+    assert out.new_tokens == sum(out.accepted) + out.steps == MAX_NEW or out.sequences[0, -1] == 2
+    assert out.forward_ratio == pytest.approx(out.new_tokens / out.target_forwards)
+
+
+def test_micro_draft_saves_target_forwards(micro):
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+    out = speculative_generate(model, ids, DraftModel(draft), max_new_tokens=MAX_NEW, num_draft_tokens=4)
+    assert out.draft_forwards == out.drafter_telemetry["draft_forwards"] > 0
+    assert 0 < out.acceptance_rate <= 1
+    assert out.mean_accepted_length > 1.2  # micro-draft does predict micro-lm; measured ~1.8 on this prompt
+    assert out.target_forwards < MAX_NEW
+
+
+@pytest.mark.parametrize("name", ["draft", "prompt_lookup", "jacobi"])
+def test_greedy_equals_generate_on_tiny_random_llama(tiny, name):
+    target, draft = tiny
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    ref = _plain(target, ids, eos_token_id=None)
+    out = speculative_generate(target, ids, _drafters(draft)[name], max_new_tokens=MAX_NEW, num_draft_tokens=3,
+                               eos_token_id=None)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_self_draft_accepts_everything_and_uses_bonus_tokens(tiny):
+    """The target as its own draft: every draft accepted, k + 1 tokens per forward (the bonus-token path)."""
+    target, _ = tiny
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    out = speculative_generate(target, ids, DraftModel(target), max_new_tokens=21, num_draft_tokens=4,
+                               eos_token_id=None)
+    assert torch.equal(out.sequences, _plain(target, ids, 21, eos_token_id=None))
+    assert out.accepted[:4] == [4, 4, 4, 4] and out.acceptance_rate == 1.0
+    assert out.target_forwards == 1 + 5  # prefill + 21 tokens in steps of 5 (the last one asks for 0 drafts)
+    # the target cache was rolled back to every committed token but the last: 16 + 21 - 1 slots of fp32 K and V
+    assert out.kv_cache_bytes == 2 * 2 * 2 * (16 + 21 - 1) * 16 * 4
+    assert out.telemetry()["new_tokens"] == 21 and out.telemetry()["target_forwards"] == 6
+
+
+def test_draft_confidence_stop_keeps_output_and_drafts_less(micro):
+    """SpecDec++-style early stop: shorter drafts where the draft is unsure, same greedy output."""
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+    full = speculative_generate(model, ids, DraftModel(draft), max_new_tokens=MAX_NEW, num_draft_tokens=6)
+    short = speculative_generate(model, ids, DraftModel(draft, stop_below=0.5), max_new_tokens=MAX_NEW,
+                                 num_draft_tokens=6)
+    assert torch.equal(short.sequences, full.sequences)
+    assert min(short.proposed) >= 1 and sum(short.proposed) < sum(full.proposed)
+    assert short.acceptance_rate > full.acceptance_rate
+
+
+def test_prompt_lookup_finds_the_continuation():
+    pl = PromptLookup(max_ngram=2)
+    # last bigram (1, 2) occurs at 0 and 4; the most recent one with 3 tokens after it is at 4
+    assert pl.lookup(torch.tensor([1, 2, 3, 4, 1, 2, 3, 9, 1, 2]), 3).tolist() == [3, 9, 1]
+    # no room for k tokens after any match: the earliest match (longest continuation)
+    assert pl.lookup(torch.tensor([7, 1, 2, 5, 1, 2]), 8).tolist() == [5, 1, 2]
+    assert pl.lookup(torch.tensor([1, 2, 3, 4]), 3) is None
+
+
+def test_prompt_lookup_copies_a_repeated_paragraph(micro):
+    """micro-lm continues a paragraph it has seen once by copying it; prompt lookup drafts exactly that."""
+    model, tok, _ = micro
+    para = tok(" ".join(json.__doc__.split())).input_ids[:60]
+    ids = torch.tensor([para + para[:6]])
+    out = speculative_generate(model, ids, PromptLookup(max_ngram=3), max_new_tokens=MAX_NEW, num_draft_tokens=8)
+    assert torch.equal(out.sequences, _plain(model, ids))
+    assert out.mean_accepted_length > 2 and out.draft_forwards == 0  # measured 2.35: 18 target forwards for 40
+
+
+def test_adaptive_draft_length(tiny, micro):
+    target, _ = tiny
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(5))
+    schedule = AdaptiveDraftLength(start=2, max_tokens=8, draft_cost=0.0)
+    out = speculative_generate(target, ids, DraftModel(target), max_new_tokens=40, num_draft_tokens=schedule,
+                               eos_token_id=None)
+    assert torch.equal(out.sequences, _plain(target, ids, 40, eos_token_id=None))
+    assert out.draft_lengths[0] == 2 and max(out.draft_lengths) == 8  # grows while everything is accepted
+    # a draft that is always wrong drives it down to min_tokens
+    model, tok, _ = micro
+    ids = _text_prompt(tok, json.__doc__)
+    out = speculative_generate(model, ids, Jacobi(), max_new_tokens=24,
+                               num_draft_tokens=AdaptiveDraftLength(start=6, min_tokens=1, max_tokens=8,
+                                                                    draft_cost=0.0, verify_cost=0.5))
+    assert torch.equal(out.sequences, _plain(model, ids, 24))
+    assert out.draft_lengths[-1] < 6
+
+
+# ------------------------------------------------------------------------------------------------------- batch
+def _left_pad(rows, pad):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r)
+        mask[b, width - len(r):] = 1
+    return ids, mask
+
+
+def test_batch_rows_equal_their_own_greedy_output(micro):
+    """Left-padded rows of different lengths, rows stopping at different steps: each equals its own generate."""
+    model, tok, draft = micro
+    texts = [json.__doc__, types.__doc__, str.__doc__]
+    rows = [tok(" ".join(t.split())).input_ids[:n] for t, n in zip(texts, (40, 23, 31))]
+    ids, mask = _left_pad(rows, pad=0)
+    stop = [tok.convert_tokens_to_ids(".")]  # a frequent token, so rows finish at different points
+    out = speculative_generate(model, ids, DraftModel(draft), max_new_tokens=MAX_NEW, num_draft_tokens=4,
+                               attention_mask=mask, eos_token_id=stop, pad_token_id=0)
+    lengths = []
+    for b, row in enumerate(rows):
+        own = _plain(model, torch.tensor([row]), eos_token_id=stop, pad_token_id=0)[0, len(row):]
+        got = out.sequences[b, ids.shape[1]:]
+        assert torch.equal(got[: len(own)], own), f"row {b}"
+        assert bool((got[len(own):] == 0).all())
+        lengths.append(len(own))
+    assert out.new_tokens == max(lengths)
+    assert len(set(lengths)) > 1  # the rows really did stop at different points
+    # the shared cache commits the minimum of the live rows' acceptance; finished rows are recorded as -1
+    for m, row in zip(out.accepted, out.accepted_per_row):
+        live = [a for a in row if a >= 0]
+        assert live and m == min(live)
+    assert len(out.row_mean_accepted_length) == 3
+
+
+def test_batch_prompt_lookup_and_jacobi_rows(tiny):
+    target, _ = tiny
+    gen = torch.Generator().manual_seed(6)
+    rows = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (12, 20, 7)]
+    ids, mask = _left_pad(rows, pad=0)
+    for drafter in (PromptLookup(), Jacobi()):
+        out = speculative_generate(target, ids, drafter, max_new_tokens=20, attention_mask=mask, eos_token_id=None,
+                                   pad_token_id=0)
+        for b, row in enumerate(rows):
+            own = _plain(target, torch.tensor([row]), 20, eos_token_id=None)[0, len(row):]
+            assert torch.equal(out.sequences[b, ids.shape[1]:], own), (drafter.name, b)
+
+
+# ------------------------------------------------------------------------------------------- sampling filter
+def test_sampler_matches_transformers_warpers():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for t, k, p in [(0.7, 10, 0.9), (1.3, None, 0.5), (1.0, 3, None), (0.5, None, None)]:
+        ref = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p:
+            ref = TopPLogitsWarper(p)(None, ref)
+        ours = Sampler(temperature=t, top_k=k, top_p=p).filtered_logits(logits)
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+        assert torch.allclose(ours.softmax(-1), ref.softmax(-1), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+def test_registry_builds_every_drafter():
+    assert {"draft", "prompt_lookup", "jacobi"} <= set(METHODS)
+    assert isinstance(build_drafter("prompt_lookup:max_ngram=4"), PromptLookup)
+    assert isinstance(build_drafter("jacobi"), Jacobi)
+    d = build_drafter("draft:model=micro-draft")
+    assert isinstance(d, DraftModel) and d.model is None  # loaded lazily at the first generation
+    with pytest.raises(ValueError, match="unknown drafter 'nope'; choose one of"):
+        build_drafter("nope")
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def test_draft_with_another_vocabulary_is_refused(tiny):
+    target, _ = tiny
+    other = tiny_llama(layers=1, vocab_size=64, seed=2)
+    with pytest.raises(ValueError, match=r"vocabulary \(64 tokens\) differs from the target's \(128\).*tokenizer"):
+        speculative_generate(target, torch.tensor([[5, 6, 7]]), DraftModel(other), max_new_tokens=4)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny):
+    target, draft = tiny
+    a = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
+    b = types.SimpleNamespace(get_vocab=lambda: {"a": 1, "b": 0})
+    with pytest.raises(ValueError, match="tokenizer maps tokens to ids differently"):
+        check_same_vocabulary(draft, target, a, b)
+    with pytest.raises(ValueError, match="tokenizer maps tokens to ids differently"):
+        speculative_generate(target, torch.tensor([[5, 6, 7]]), DraftModel(draft, tokenizer=a, target_tokenizer=b),
+                             max_new_tokens=4)
+
+
+@pytest.mark.parametrize("k", [0, -2])
+def test_draft_length_must_be_positive(tiny, k):
+    target, draft = tiny
+    with pytest.raises(ValueError, match="num_draft_tokens must be an int >= 1"):
+        speculative_generate(target, torch.tensor([[5, 6, 7]]), DraftModel(draft), max_new_tokens=4,
+                             num_draft_tokens=k)
+
+
+def test_negative_temperature_is_refused(tiny):
+    target, draft = tiny
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        speculative_generate(target, torch.tensor([[5, 6, 7]]), DraftModel(draft), max_new_tokens=4,
+                             temperature=-0.5)
+
+
+def test_right_padding_is_refused(tiny):
+    target, _ = tiny
+    with pytest.raises(ValueError, match="left padding"):
+        speculative_generate(target, torch.tensor([[5, 6, 0]]), PromptLookup(), max_new_tokens=4,
+                             attention_mask=torch.tensor([[1, 1, 0]]))
