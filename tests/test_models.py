@@ -154,3 +154,24 @@ def test_model_card_renders_committed_results(tmp_path):
     assert "| facts per document |" in text
     assert "wrong digits by position: digit 1: 0, digit 2: 1, digit 3: 1" in text
     assert "step 0: 0/24; step 1: 5/24" in text and "median 900 tokens" in text
+
+
+def test_seed_study_line_reads_the_committed_summary(monkeypatch, tmp_path):
+    from mmaccel.models.card import seed_study_line
+
+    monkeypatch.setattr(zoo_mod, "assets_dir", lambda: tmp_path)
+    assert seed_study_line("micro-lm", ["full"], 4096, 0.5) is None  # no study committed
+    (tmp_path / "micro-lm" / "niah_seeds").mkdir(parents=True)
+    summary = {
+        "config": {"lengths": [4096], "depths": [0.5], "trials": 10},
+        "methods": {
+            "full": {"accuracy": 0.9, "n": 10, "by_length": [{"kv_ratio_prefill": 1.0}]},
+            "snapkv:budget=1024": {"accuracy": 0.6, "n": 10, "by_length": [{"kv_ratio_prefill": 0.25}]},
+        },
+    }
+    (tmp_path / "micro-lm" / "niah_seeds" / "summary.json").write_text(json.dumps(summary))
+    line = seed_study_line("micro-lm", ["full", "snapkv:budget=1024", "streaming:window=1024"], 4096, 0.5)
+    assert line == ("Over 10 seeds at 4096 tokens, depth 0.5 (committed in assets/models/micro-lm/niah_seeds/, strict "
+                    "match): full 9/10, snapkv:budget=1024 6/10 (KV ratio 0.25).")
+    assert seed_study_line("micro-lm", ["full"], 2048, 0.5) is None  # another length: not the same study
+    assert seed_study_line("/some/local/dir", ["full"], 4096, 0.5) is None

@@ -25,6 +25,8 @@ QUESTION_TEMPLATE = "What is the secret number of the {key}? The secret number o
 # (RULER's layout, Hsieh et al., 2024), so the model answers rather than chats.
 CHAT_QUESTION_TEMPLATE = "What is the secret number of the {key}?"
 ANSWER_PREFIX_TEMPLATE = "The secret number of the {key} is"
+# RULER also opens the user's turn with the task, before the document.
+CHAT_INSTRUCTION = "A secret number is hidden in the following text. Read it carefully: you will be asked for it.\n\n"
 
 # Digit strings a language model knows by heart: a needle must not be (a prefix, rounding or piece of) one of them,
 # or a model can "answer" it without reading the document (SnapKV once answered 314159265 for 31416).
@@ -324,6 +326,7 @@ def make_niah_sample(
     digits: int = 5,
     chat_template: bool = False,
     answer_prefix: str | None = ANSWER_PREFIX_TEMPLATE,
+    instruction: str | None = CHAT_INSTRUCTION,
 ) -> NIAHSample:
     """Build one NIAH prompt of exactly ``length`` tokens with the needle at relative ``depth``.
 
@@ -347,6 +350,9 @@ def make_niah_sample(
     answer_prefix : str or None
         With a chat template: the start of the assistant's answer, a format string with ``{key}`` (default
         :data:`ANSWER_PREFIX_TEMPLATE`, as RULER does); ``None`` lets the assistant answer freely.
+    instruction : str or None
+        With a chat template: text that opens the user's turn before the document (default
+        :data:`CHAT_INSTRUCTION`, as RULER does); ``None`` for none.
 
     Raises
     ------
@@ -365,6 +371,8 @@ def make_niah_sample(
     question_ids = tokenizer.encode("\n" + needle.question(question_template), add_special_tokens=False)
     if chat_template:
         head, tail = chat_wrapper_ids(tokenizer)
+        if instruction:
+            head = head + tokenizer.encode(instruction, add_special_tokens=False)
         if answer_prefix:
             tail = tail + tokenizer.encode(answer_prefix.format(key=needle.key), add_special_tokens=False)
     else:
