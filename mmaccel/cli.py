@@ -170,6 +170,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_arg(p)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_kernel_bench)
+
+    p = sub.add_parser("spec-bench", help="Spec-Bench-style table of speculative decoding methods vs autoregressive "
+                                          "decoding, free and copy-heavy prompts")
+    p.add_argument("--model", default="micro-lm",
+                   help="target: zoo name, local HF checkpoint directory or hub id (default micro-lm)")
+    p.add_argument("--draft", default=None,
+                   help="draft model for 'draft' and 'hf_assisted' specs without model= (default micro-draft)")
+    p.add_argument("--methods", nargs="+", default=["draft", "prompt_lookup", "hf_assisted", "hf_prompt_lookup"],
+                   metavar="SPEC",
+                   help="drafters draft|prompt_lookup|pld|jacobi (keys: k=draft length, adaptive=true, and the "
+                        "drafter's own), transformers peers hf_assisted|hf_prompt_lookup|hf_early_exit, or KV-cache "
+                        "methods; plain autoregressive decoding ('full') always runs as the baseline "
+                        "(default: draft prompt_lookup hf_assisted hf_prompt_lookup)")
+    p.add_argument("--prompts", choices=["free", "copy", "both"], default="both",
+                   help="prompt sets: free (chat requests), copy (edit/repeat/summarise a given text) or both")
+    p.add_argument("--n-prompts", type=_positive_int, default=8, help="prompts per set (default 8)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--repeats", type=_positive_int, default=3, help="measured runs per prompt (median; default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per method (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default; outputs are checked against plain greedy), > 0 = sampling")
+    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                   help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--seed", type=int, default=0, help="selects the copy-heavy paragraphs")
+    _add_threads_arg(p)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--attn", dest="attn_implementation", default=None, help="attention implementation")
+    p.add_argument("--out", default="runs/spec-bench", help="output folder (default runs/spec-bench)")
+    p.set_defaults(func=cmd_spec_bench)
     return parser
 
 
@@ -377,6 +407,38 @@ def cmd_kernel_bench(args) -> int:
     except SystemExit as exc:  # its own --help or usage error
         rc = exc.code
     return int(rc or 0)
+
+
+def cmd_spec_bench(args) -> int:
+    """``mmaccel spec-bench``: speculative methods vs autoregressive decoding on free and copy-heavy prompts; prints
+    the table, writes ``results.jsonl`` and ``summary.json`` (:func:`mmaccel.eval.specbench.run_spec_bench`)."""
+    from .eval.generation import resolve_methods
+    from .eval.haystack import resolve_chat_template
+    from .eval.specbench import check_draft_tokenizers, run_spec_bench
+
+    if not args.temperature >= 0:
+        raise CLIError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.warmup < 0:
+        raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
+    resolved = resolve_methods(["full"] + [m for m in args.methods if m != "full"], draft=args.draft)
+    tokenizer = _load_tokenizer(args)
+    chat = resolve_chat_template(tokenizer, args.chat_template)
+    check_draft_tokenizers(resolved, tokenizer)
+    model, tokenizer = _load_model(args)
+    result = run_spec_bench(
+        model, tokenizer, args.methods, prompts=args.prompts, n_prompts=args.n_prompts,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, temperature=args.temperature,
+        draft=args.draft, chat_template=chat, seed=args.seed, out_dir=args.out,
+    )
+    cfg = result.summary["config"]
+    load = result.records[0].load_avg_1m if result.records else None
+    print(f"spec-bench: model {args.model}, draft {args.draft or 'micro-draft'}, {cfg['n_prompts']} prompts per set, "
+          f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']:g}, device {cfg['device']}, "
+          f"{cfg['threads']} threads, load average {load} at start; median of {cfg['repeats']} runs after "
+          f"{cfg['warmup']} warm-up")
+    print(result.to_markdown())
+    print(f"wrote {Path(args.out) / 'results.jsonl'} and summary.json")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------------------ main

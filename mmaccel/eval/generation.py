@@ -1,8 +1,21 @@
 """Measured generation: the one generation path every CLI command, eval and the app uses.
 
-:func:`generate_measured` runs greedy ``model.generate`` with a KV-cache method's fresh cache and returns one
+:func:`generate_measured` resolves the method to an object that runs one timed generation and returns one
 :class:`RunRecord` with the same fields for every method (the harness contract of Spec-Bench, Xia et al., 2024,
-arXiv 2401.07851): the output, timings in seconds, memory in bytes, and the method's telemetry.
+arXiv 2401.07851): the output, timings in seconds, memory in bytes, and the method's telemetry. Three kinds of
+method share that path:
+
+- KV-cache methods (:data:`mmaccel.longctx.METHODS`, e.g. ``"snapkv:budget=256"``): ``model.generate`` with the
+  method's fresh cache (timed by the probe below);
+- speculative drafters (:data:`mmaccel.speculative.METHODS`, e.g. ``"draft:model=micro-draft"``,
+  ``"prompt_lookup:max_ngram=3"``): :func:`mmaccel.speculative.speculative_generate`; ``ttft_s`` is its
+  ``first_token_seconds`` and ``decode_s`` is ``total_seconds - first_token_seconds``;
+- transformers' own speculative paths (:data:`mmaccel.speculative.PEERS`: ``"hf_assisted:model=micro-draft"``,
+  ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``): ``model.generate(**kwargs)``, timed by
+  forward hooks (:mod:`mmaccel.speculative.harness`).
+
+Speculative records' telemetry holds the mean accepted length, the acceptance rate, draft/verify seconds and target
+forward counts.
 
 Timing
 ------
@@ -40,7 +53,9 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ..longctx import METHODS as KV_METHODS
 from ..longctx import build_method, kv_cache_bytes
+from ..specs import parse_method_spec
 from .memory import PeakMemory
 
 logger = logging.getLogger(__name__)
@@ -78,7 +93,10 @@ class RunRecord:
     kv_cache_bytes_prefill, kv_cache_bytes_final : int or None
         Bytes of K/V held after prefill and at the end, bytes.
     telemetry : dict
-        The method's own facts (``KVMethod.telemetry``), JSON-serialisable.
+        The method's own facts, JSON-serialisable: ``KVMethod.telemetry`` for KV-cache methods; for speculative
+        methods and transformers peers the acceptance (``mean_accepted_length``, ``acceptance_rate``), forward counts
+        (``target_forwards``, ``draft_forwards``) and the draft/verify time split in seconds (see
+        :mod:`mmaccel.speculative.harness`).
     repeats, warmup : int
         Measured and warm-up runs behind the medians.
     device : str
@@ -132,44 +150,65 @@ class RunRecord:
 
 
 # ------------------------------------------------------------------------------------------------------- methods
-def resolve_method(method) -> tuple[Any, str]:
-    """Turn ``None``, a spec string or a KV-cache method object into ``(method, label)``.
+def resolve_method(method, *, draft=None) -> tuple[Any, str]:
+    """Turn ``None``, a spec string or a method object into ``(method, label)``.
 
     Parameters
     ----------
-    method : None, str or mmaccel.longctx.KVMethod
-        ``None`` means full attention; a string is a spec (``"snapkv:budget=256"``), whose text becomes the label;
-        an object is used as is and labelled by its registry name.
+    method : None, str, mmaccel.longctx.KVMethod, mmaccel.speculative.Drafter or a speculative method object
+        ``None`` means full attention; a string is a spec whose text becomes the label: a KV-cache method
+        (``"snapkv:budget=256"``), an engine drafter (``"draft:model=micro-draft:k=4"``, ``"prompt_lookup"``) or a
+        transformers peer (``"hf_prompt_lookup:num_tokens=10"``); an object is used as is (a bare ``Drafter`` is
+        wrapped with its default draft length) and labelled by its registry name.
+    draft : str or transformers.PreTrainedModel, optional
+        The draft model of ``draft`` / ``hf_assisted`` specs that name no ``model=``.
 
     Raises
     ------
     ValueError
-        For an unknown method name or bad arguments (from :func:`mmaccel.longctx.build_method`).
+        For an unknown method name or bad arguments (the message lists KV-cache methods, drafters and peers).
     """
+    from ..speculative import Drafter, build_speculative_method, speculative_method_names
+    from ..speculative.harness import SpeculativeMethod
+
     if method is None:
         return build_method("full"), "full"
     if isinstance(method, str):
-        return build_method(method), method.strip()
-    if not hasattr(method, "make_cache"):
-        raise ValueError(f"{method!r} is not a KV-cache method (no make_cache); pass a spec such as 'snapkv:budget=256'")
+        name = parse_method_spec(method).name
+        if name in KV_METHODS:
+            return build_method(method), method.strip()
+        if name in speculative_method_names():
+            return build_speculative_method(method, draft=draft), method.strip()
+        raise ValueError(
+            f"unknown KV-cache method {name!r} (nor a speculative method); KV-cache methods: "
+            f"{', '.join(sorted(KV_METHODS))}; speculative: {', '.join(speculative_method_names())} "
+            "(syntax: name:key=value, e.g. snapkv:budget=256 or draft:model=micro-draft)"
+        )
+    if isinstance(method, Drafter):
+        method = SpeculativeMethod(method)
+    if not (hasattr(method, "make_cache") or hasattr(method, "timed_generate")):
+        raise ValueError(f"{method!r} is not a KV-cache or speculative method (no make_cache / timed_generate); pass "
+                         "a spec such as 'snapkv:budget=256' or 'draft:model=micro-draft'")
     return method, getattr(method, "name", type(method).__name__)
 
 
-def resolve_methods(methods: Sequence) -> list[tuple[Any, str]]:
+def resolve_methods(methods: Sequence, *, draft=None) -> list[tuple[Any, str]]:
     """:func:`resolve_method` for each entry, checked up front; duplicate labels get ``#2``, ``#3`` suffixes.
+
+    ``draft`` is passed on to :func:`resolve_method`.
 
     Raises
     ------
     ValueError
         If ``methods`` is empty, or for the first unknown/badly configured method.
     """
-    if isinstance(methods, str) or hasattr(methods, "make_cache"):
+    if isinstance(methods, str) or hasattr(methods, "make_cache") or hasattr(methods, "timed_generate"):
         methods = [methods]
     if not methods:
         raise ValueError("no methods given; pass at least one, e.g. 'full'")
     out, seen = [], {}
     for m in methods:
-        obj, label = resolve_method(m)
+        obj, label = resolve_method(m, draft=draft)
         seen[label] = seen.get(label, 0) + 1
         out.append((obj, label if seen[label] == 1 else f"{label}#{seen[label]}"))
     return out
@@ -230,8 +269,9 @@ class _StepProbe(LogitsProcessor):
 
 
 # ------------------------------------------------------------------------------------------------------- running
-def _generation_kwargs(model, tokenizer) -> dict:
-    """Greedy decoding that stops at EOS; EOS/pad from the tokenizer when the model's config has none."""
+def _generation_kwargs(model, tokenizer, temperature: float = 0.0) -> dict:
+    """Greedy decoding (``temperature == 0``) or plain sampling at ``temperature`` that stops at EOS; EOS/pad from
+    the tokenizer when the model's config has none."""
     gen_cfg = getattr(model, "generation_config", None)
     eos = getattr(gen_cfg, "eos_token_id", None)
     if eos is None and tokenizer is not None:
@@ -241,17 +281,24 @@ def _generation_kwargs(model, tokenizer) -> dict:
         pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-    return dict(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
-                pad_token_id=pad)
+    sampling = temperature > 0
+    return {"do_sample": sampling, "num_beams": 1, "temperature": temperature if sampling else None, "top_p": None,
+            "top_k": None, "eos_token_id": eos, "pad_token_id": pad}
 
 
-def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict) -> dict:
-    """One timed ``generate``; returns timings, memory, K/V bytes, telemetry and the new ids."""
-    device = input_ids.device
-    cache = method.make_cache(model)
-    probe = _StepProbe(cache, device)
-    try:
-        with PeakMemory(device) as mem:
+class _KVCacheRun:
+    """How a KV-cache method runs one timed generation: ``model.generate`` with the method's fresh cache."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict) -> dict:
+        """One ``generate``; returns the new ids, TTFT/decode seconds, K/V bytes after prefill and at the end, and
+        the method's telemetry."""
+        method, device = self.method, input_ids.device
+        cache = method.make_cache(model)
+        probe = _StepProbe(cache, device)
+        try:
             _sync(device)
             t0 = time.perf_counter()
             out = model.generate(
@@ -264,25 +311,38 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
             )
             _sync(device)
             t_end = time.perf_counter()
-        new_ids = out[0, input_ids.shape[1]:].tolist()
-        first = probe.first_step_time if probe.first_step_time is not None else t_end
-        decode_s = t_end - first
-        n = len(new_ids)
-        return {
-            "new_ids": new_ids,
-            "ttft_s": first - t0,
-            "decode_s": decode_s,
-            "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-            "peak_memory_bytes": mem.peak,
-            "peak_memory_method": mem.method,
-            "kv_cache_bytes_prefill": probe.kv_bytes_prefill,
-            "kv_cache_bytes_final": kv_cache_bytes(cache),
-            "telemetry": method.telemetry(cache) if hasattr(method, "telemetry") else {},
-        }
-    finally:
-        close = getattr(cache, "close", None)
-        if callable(close):
-            close()  # remove any hooks a failed run left on the model
+            first = probe.first_step_time if probe.first_step_time is not None else t_end
+            return {
+                "new_ids": out[0, input_ids.shape[1]:].tolist(),
+                "ttft_s": first - t0,
+                "decode_s": t_end - first,
+                "kv_cache_bytes_prefill": probe.kv_bytes_prefill,
+                "kv_cache_bytes_final": kv_cache_bytes(cache),
+                "telemetry": method.telemetry(cache) if hasattr(method, "telemetry") else {},
+            }
+        finally:
+            close = getattr(cache, "close", None)
+            if callable(close):
+                close()  # remove any hooks a failed run left on the model
+
+
+def runner_for(method):
+    """The object that runs one timed generation of ``method``: itself when it has ``timed_generate``
+    (speculative drafters and transformers peers, :mod:`mmaccel.speculative.harness`), else a KV-cache run."""
+    return method if hasattr(method, "timed_generate") else _KVCacheRun(method)
+
+
+def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict) -> dict:
+    """One timed generation of any method; returns timings, memory, K/V bytes, telemetry and the new ids."""
+    device = input_ids.device
+    with PeakMemory(device) as mem:
+        run = runner_for(method).timed_generate(model, input_ids, max_new_tokens=max_new_tokens,
+                                                gen_kwargs=gen_kwargs)
+    n, decode_s = len(run["new_ids"]), run["decode_s"]
+    run["tokens_per_s"] = (n - 1) / decode_s if n > 1 and decode_s and decode_s > 0 else None
+    run["peak_memory_bytes"] = mem.peak
+    run["peak_memory_method"] = mem.method
+    return run
 
 
 def load_average() -> float | None:
@@ -317,8 +377,10 @@ def generate_measured(
     repeats: int = 1,
     warmup: int = 1,
     warmup_ids=None,
+    temperature: float = 0.0,
+    draft=None,
 ) -> RunRecord:
-    """Greedy-generate from one prompt with a KV-cache method and measure it.
+    """Generate from one prompt with a KV-cache, speculative or transformers-peer method and measure it.
 
     Parameters
     ----------
@@ -328,9 +390,12 @@ def generate_measured(
         Decodes the output; supplies EOS/pad when the model's generation config has none.
     input_ids : str, list of int, torch.Tensor [L] or [1, L], or an object with ``input_ids``
         One prompt (batch size 1).
-    method : None, str or mmaccel.longctx.KVMethod
-        ``None`` = full attention, a spec (``"streaming:window=256"``) or a method object. A fresh cache is built for
-        every run with ``method.make_cache(model)``.
+    method : None, str or a method object
+        ``None`` = full attention; a spec: a KV-cache method (``"streaming:window=256"``; a fresh cache is built for
+        every run with ``method.make_cache(model)``), an engine drafter (``"draft:model=micro-draft:k=4"``,
+        ``"prompt_lookup"``, ``"jacobi"``) or a transformers peer (``"hf_assisted:model=micro-draft"``,
+        ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``); or an object of one of those kinds
+        (see :func:`resolve_method`).
     label : str, optional
         Label for the record; default the spec text (or the method's registry name).
     max_new_tokens : int
@@ -342,6 +407,11 @@ def generate_measured(
     warmup_ids : prompt, optional
         What the warm-up runs use (same forms as ``input_ids``), e.g. a short prompt so that warming up a long-context
         run does not cost a second full prefill. Default: ``input_ids`` itself.
+    temperature : float
+        ``0`` (default) = greedy; ``> 0`` = sampling at that temperature (the engine's lossless speculative
+        sampling for drafters; ``generate(do_sample=True)`` otherwise).
+    draft : str or transformers.PreTrainedModel, optional
+        Draft model for ``draft`` / ``hf_assisted`` specs that name no ``model=``.
 
     Returns
     -------
@@ -352,14 +422,17 @@ def generate_measured(
     Raises
     ------
     ValueError
-        Configuration errors, before any run: an unknown method or bad method arguments, an empty or batched
-        prompt, ``max_new_tokens < 1``, ``repeats < 1`` or ``warmup < 0``.
+        Configuration errors, before any run: an unknown method or bad method arguments (e.g. a draft length
+        ``k <= 0``), a draft model with another vocabulary or tokenizer, an empty or batched prompt,
+        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0`` or ``temperature < 0``.
     """
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
             f"need max_new_tokens >= 1, repeats >= 1 and warmup >= 0; got {max_new_tokens}, {repeats}, {warmup}"
         )
-    method_obj, default_label = resolve_method(method)
+    if temperature is None or not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    method_obj, default_label = resolve_method(method, draft=draft)
     device = getattr(model, "device", torch.device("cpu"))
     ids = as_input_ids(input_ids, tokenizer).to(device)
     warm_ids = ids if warmup_ids is None else as_input_ids(warmup_ids, tokenizer).to(device)
@@ -373,7 +446,10 @@ def generate_measured(
         dtype=str(next(model.parameters()).dtype) if hasattr(model, "parameters") else "",
         threads=torch.get_num_threads(),
     )
-    gen_kwargs = _generation_kwargs(model, tokenizer)
+    prepare = getattr(method_obj, "prepare", None)
+    if callable(prepare) and hasattr(method_obj, "timed_generate"):  # speculative methods: load a draft once, check it against the target (ValueError)
+        prepare(model, tokenizer)
+    gen_kwargs = _generation_kwargs(model, tokenizer, temperature)
     runs = []
     with torch.inference_mode():
         for i in range(warmup + repeats):

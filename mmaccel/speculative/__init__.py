@@ -7,7 +7,9 @@
 Verification (exact greedy, or lossless speculative sampling -- Leviathan et al., 2023, arXiv 2211.17192; Chen et
 al., 2023, arXiv 2302.01318), KV rollback with ``DynamicCache.crop`` and the telemetry live once in
 :func:`speculative_generate`; a drafter (:class:`Drafter`) only proposes tokens. ``METHODS`` is the registry the CLI
-and the app list; adding a drafter is one file and one line here.
+and the app list; adding a drafter is one file and one line here. :data:`PEERS` holds transformers' own speculative
+paths (``hf_assisted``, ``hf_prompt_lookup``, ``hf_early_exit``); :func:`build_speculative_method` turns a drafter or
+peer spec into what :func:`mmaccel.eval.generation.generate_measured` runs (see :mod:`mmaccel.speculative.harness`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,17 @@ from ..specs import build_from_registry
 from .base import Draft, Drafter, crop_cache, positions_from_mask
 from .draft_model import DraftModel, check_same_vocabulary
 from .engine import SpeculativeOutput, speculative_generate
+from .harness import (
+    PEERS,
+    HFAssisted,
+    HFEarlyExit,
+    HFPromptLookup,
+    SpeculativeMethod,
+    TransformersPeer,
+    build_speculative_method,
+    is_speculative_spec,
+    speculative_method_names,
+)
 from .jacobi import Jacobi
 from .prompt_lookup import PromptLookup
 from .sampling import Sampler
@@ -44,20 +57,29 @@ def build_drafter(spec: str) -> Drafter:
 
 __all__ = [
     "METHODS",
+    "PEERS",
     "AdaptiveDraftLength",
     "Draft",
     "DraftModel",
     "Drafter",
+    "HFAssisted",
+    "HFEarlyExit",
+    "HFPromptLookup",
     "Jacobi",
     "PromptLookup",
     "Sampler",
+    "SpeculativeMethod",
     "SpeculativeOutput",
+    "TransformersPeer",
     "build_drafter",
+    "build_speculative_method",
     "check_same_vocabulary",
     "crop_cache",
+    "is_speculative_spec",
     "positions_from_mask",
     "residual_distribution",
     "speculative_generate",
+    "speculative_method_names",
     "verify_greedy",
     "verify_sampled",
 ]

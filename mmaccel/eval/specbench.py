@@ -1,0 +1,476 @@
+"""Spec-Bench-style comparison of speculative decoding methods: ``mmaccel spec-bench`` and :func:`run_spec_bench`.
+
+Every method -- plain autoregressive decoding (``full``, the baseline), the engine's drafters and transformers' own
+speculative paths -- runs on the same prompts in the same process through the one measured path,
+:func:`~mmaccel.eval.generation.generate_measured`, so every row is a :class:`~mmaccel.eval.generation.RunRecord`
+with the same fields. Per prompt set and method the summary reports what Spec-Bench reports (Xia et al., "Unlocking
+Efficiency in Large Language Model Inference: A Comprehensive Survey of Speculative Decoding", 2024, arXiv
+2401.07851): the mean accepted length (tokens per verification forward), the acceptance rate, the draft/verify time
+split, tokens/s and the speedup over autoregressive decoding, plus whether each output is token-identical to plain
+greedy decoding (Spec-Bench's ``equal.py`` check). A lossless method whose output differs is flagged in the table.
+
+Prompt sets (built offline)
+---------------------------
+- ``free``: open chat requests (stories, explanations, advice), wrapped in the tokenizer's chat template when it has
+  one; the answer has little to copy from the prompt.
+- ``copy``: edit, repeat or summarise a held-out paragraph of standard-library prose
+  (:func:`mmaccel.eval.haystack.stdlib_paragraphs` ``"eval"``) given in the prompt; the answer copies from it (the
+  regime where prompt lookup shines: Saxena, 2023; Dumitru et al., 2025, arXiv 2502.08923). The answer starts with
+  the text's first words, so base models without a chat template copy too.
+
+Timing: one warm-up per method first (unrecorded), then per prompt every method in turn (so a load spike hits all
+methods alike), each the median of ``repeats`` runs. ``tokens_per_s`` in the summary is end to end (all new tokens
+over all TTFT + decode seconds); ``speedup`` is that divided by the baseline's on the same prompts. On a shared CPU,
+forward counts (``forward_ratio``) are the trustworthy number; timings need a quiet machine or one thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .generation import RunRecord, generate_measured, load_average, resolve_methods
+
+logger = logging.getLogger(__name__)
+
+PROMPT_SETS = ("free", "copy")
+DEFAULT_METHODS = ("draft", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
+BASELINE = "full"
+
+FREE_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works to someone who has just started programming.",
+    "What are three good habits for writing maintainable code? Explain each briefly.",
+    "Describe a walk through a city market on a rainy morning.",
+    "Give some advice to a student preparing for their first job interview.",
+    "Why does the sky look blue during the day and red at sunset?",
+    "Write a friendly email inviting a colleague to a team lunch on Friday.",
+    "Compare travelling by train and by plane for a 500 km trip.",
+)
+
+#: (task, instruction, answer lead) of the copy-heavy prompts
+COPY_TASKS = (
+    ("edit", "Correct the spelling mistakes in the following text. Reply with the corrected text only.",
+     "Corrected text:"),
+    ("repeat", "Repeat the following text exactly, then add one sentence that summarises it.", "Text:"),
+    ("summarise", "Summarise the following text, quoting its most important sentence word for word.", "Summary:"),
+)
+
+
+@dataclass
+class BenchPrompt:
+    """One prompt of a prompt set.
+
+    Attributes
+    ----------
+    prompt_set : {"free", "copy"}
+    prompt_id : int
+        Index within its set.
+    task : str
+        ``"chat"`` for free prompts; ``"edit"``, ``"repeat"`` or ``"summarise"`` for copy-heavy ones.
+    text : str
+        The prompt as a string (after the chat template, when used).
+    input_ids : torch.LongTensor
+        [1, L] token ids.
+    """
+
+    prompt_set: str
+    prompt_id: int
+    task: str
+    text: str
+    input_ids: torch.Tensor
+
+
+def _typos(text: str, rng: random.Random) -> str:
+    """Swap two inner letters of about every sixth word of >= 5 letters (the errors an edit prompt fixes)."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if len(w) >= 5 and w.isalpha() and rng.random() < 1 / 6:
+            j = rng.randrange(1, len(w) - 2)
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def _encode(tokenizer, user: str, lead: str, chat: bool) -> tuple[str, torch.Tensor]:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                             tokenize=False) + lead
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    else:
+        text = f"{user}\n\n{lead}" if lead else f"{user}\n"
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    return text, ids
+
+
+def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = False, seed: int = 0,
+                     min_chars: int = 300, max_chars: int = 900) -> list[BenchPrompt]:
+    """Build one of the built-in prompt sets, offline and deterministically.
+
+    Parameters
+    ----------
+    tokenizer : a Hugging Face tokenizer
+    name : {"free", "copy"}
+        ``"free"``: :data:`FREE_PROMPTS`; ``"copy"``: :data:`COPY_TASKS` in turn over held-out stdlib paragraphs.
+    n : int
+        Prompts, ``>= 1`` (free prompts repeat after :data:`FREE_PROMPTS` runs out).
+    chat_template : bool
+        Wrap the user turn in the tokenizer's chat template (the answer lead follows the generation prompt).
+    seed : int
+        Picks the paragraphs and the typos of the copy set.
+    min_chars, max_chars : int
+        Length range of the paragraphs, characters.
+
+    Returns
+    -------
+    list of BenchPrompt
+
+    Raises
+    ------
+    ValueError
+        An unknown set name, ``n < 1``, or too few paragraphs in the length range.
+    """
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; choose free, copy or both")
+    if n < 1:
+        raise ValueError(f"need at least one prompt per set, got n={n}")
+    out = []
+    if name == "free":
+        for i in range(n):
+            text, ids = _encode(tokenizer, FREE_PROMPTS[i % len(FREE_PROMPTS)], "", chat_template)
+            out.append(BenchPrompt("free", i, "chat", text, ids))
+        return out
+    from .haystack import stdlib_paragraphs
+
+    rng = random.Random(seed)
+    paras = [p for p in stdlib_paragraphs("eval") if min_chars <= len(p) <= max_chars]
+    if len(paras) < n:
+        raise ValueError(f"only {len(paras)} held-out paragraphs of {min_chars}-{max_chars} characters; ask for fewer")
+    for i, para in enumerate(rng.sample(paras, n)):
+        task, instruction, lead = COPY_TASKS[i % len(COPY_TASKS)]
+        shown = _typos(para, rng) if task == "edit" else para
+        start = " ".join(para.split()[:3])
+        text, ids = _encode(tokenizer, f"{instruction}\n\n{shown}", f"{lead} {start}", chat_template)
+        out.append(BenchPrompt("copy", i, task, text, ids))
+    return out
+
+
+def check_draft_tokenizers(resolved: Sequence, tokenizer) -> None:
+    """Refuse, from the tokenizers alone (before the target loads), a draft/assistant named by a spec whose
+    tokenizer maps tokens to ids differently from the target's (speculative decoding compares token ids: Leviathan
+    et al., 2023, arXiv 2211.17192).
+
+    Parameters
+    ----------
+    resolved : sequence of (method, label)
+        From :func:`~mmaccel.eval.generation.resolve_methods`.
+    tokenizer : the target's tokenizer
+
+    Raises
+    ------
+    ValueError
+        The message names the method and says to use a draft trained with the target's tokenizer.
+    """
+    from ..models.loading import load_tokenizer
+
+    for obj, label in resolved:
+        ref = getattr(getattr(obj, "drafter", obj), "model_ref", None)
+        if not isinstance(ref, str):
+            continue
+        draft_tok = load_tokenizer(ref)
+        draft_tok = getattr(draft_tok, "tokenizer", None) or draft_tok
+        if draft_tok.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"{label}: the draft model {ref!r} has another tokenizer than the target (its tokens map "
+                             "to different ids); use a draft trained with the target's tokenizer "
+                             "(e.g. micro-draft for micro-lm)")
+
+
+@dataclass
+class SpecBenchResult:
+    """What :func:`run_spec_bench` measured.
+
+    Attributes
+    ----------
+    records : list of RunRecord
+        One per prompt and method; ``extra`` holds ``prompt_set``, ``prompt_id``, ``task``,
+        ``identical_to_baseline`` (``None`` when sampling or when the baseline failed), ``first_difference`` (index
+        of the first differing token, or ``None``), ``lossless`` and ``baseline``.
+    summary : dict
+        See :func:`summarize_spec_bench`.
+    out_dir : pathlib.Path or None
+        Where ``results.jsonl`` and ``summary.json`` were written.
+    """
+
+    records: list[RunRecord]
+    summary: dict
+    out_dir: Path | None = None
+
+    def to_markdown(self) -> str:
+        """The Spec-Bench-style table per prompt set (see :func:`spec_bench_table`)."""
+        return spec_bench_table(self.summary)
+
+
+def _kind(obj) -> str:
+    return getattr(obj, "kind", "kv")
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _total_seconds(rec: RunRecord) -> float | None:
+    totals = [s["ttft_s"] + s["decode_s"] for s in rec.samples
+              if s.get("ttft_s") is not None and s.get("decode_s") is not None]
+    return statistics.median(totals) if totals else None
+
+
+def run_spec_bench(
+    model,
+    tokenizer,
+    methods: Sequence,
+    *,
+    prompts: str | Sequence[str] = "both",
+    n_prompts: int = 8,
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    warmup: int = 1,
+    temperature: float = 0.0,
+    draft=None,
+    chat_template: bool = False,
+    seed: int = 0,
+    baseline: str = BASELINE,
+    out_dir=None,
+) -> SpecBenchResult:
+    """Run every method and the autoregressive baseline on the same prompts; Spec-Bench's table and identity check.
+
+    Parameters
+    ----------
+    model, tokenizer
+        The target causal LM (batch 1) and its tokenizer.
+    methods : sequence of str or method objects
+        Specs resolved by :func:`~mmaccel.eval.generation.resolve_method`: drafters (``"draft"``,
+        ``"prompt_lookup:max_ngram=3"``, ``"jacobi"``), transformers peers (``"hf_assisted"``,
+        ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``) or KV-cache methods.
+    prompts : {"free", "copy", "both"} or a sequence of set names
+    n_prompts : int
+        Prompts per set.
+    max_new_tokens : int
+        New tokens per generation (fewer at EOS).
+    repeats : int
+        Measured runs per prompt and method (their median is recorded).
+    warmup : int
+        Unrecorded warm-up runs per method before anything is measured (on the first prompt).
+    temperature : float
+        ``0`` = greedy (the identity check applies); ``> 0`` = sampling (identity is not expected: ``None``).
+    draft : str or transformers.PreTrainedModel, optional
+        Draft model of ``draft`` / ``hf_assisted`` specs that name no ``model=`` (default ``micro-draft``).
+    chat_template : bool
+        Wrap prompts in the tokenizer's chat template.
+    seed : int
+        Selects the copy-heavy paragraphs.
+    baseline : str
+        The autoregressive reference, run first on every prompt (default ``"full"``: plain ``generate``).
+    out_dir : path, optional
+        Writes ``results.jsonl`` (one record per line, appended as it goes) and ``summary.json``.
+
+    Returns
+    -------
+    SpecBenchResult
+
+    Raises
+    ------
+    ValueError
+        Before any run: an unknown method or argument, a draft length ``<= 0``, ``temperature < 0``, a draft model
+        with another vocabulary or tokenizer, an unknown prompt set, ``n_prompts``/``max_new_tokens``/``repeats``
+        ``< 1`` or ``warmup < 0``.
+    """
+    if temperature is None or not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
+        raise ValueError(f"need max_new_tokens, repeats, n_prompts >= 1 and warmup >= 0; got {max_new_tokens}, "
+                         f"{repeats}, {n_prompts}, {warmup}")
+    sets = list(PROMPT_SETS) if prompts == "both" else [prompts] if isinstance(prompts, str) else list(prompts)
+    for s in sets:
+        if s not in PROMPT_SETS:
+            raise ValueError(f"unknown prompt set {s!r}; choose free, copy or both")
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    resolved = resolve_methods([baseline] + [m for m in methods if m != baseline], draft=draft)
+    base_label = resolved[0][1]
+    for obj, _ in resolved:
+        prepare = getattr(obj, "prepare", None)
+        if callable(prepare) and hasattr(obj, "timed_generate"):
+            prepare(model, tokenizer)  # loads drafts once; refuses another vocabulary before any run
+    prompt_sets = {s: build_prompt_set(tokenizer, s, n=n_prompts, chat_template=chat_template, seed=seed)
+                   for s in sets}
+
+    out_path = None
+    if out_dir is not None:
+        out_path = Path(out_dir)
+        out_path.mkdir(parents=True, exist_ok=True)
+        (out_path / "results.jsonl").write_text("")
+    kw = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    first = prompt_sets[sets[0]][0]
+    if warmup:
+        logger.info("warming up %d methods", len(resolved))
+        for obj, label in resolved:
+            generate_measured(model, tokenizer, first.input_ids, method=obj, label=label, repeats=warmup, warmup=0,
+                              **kw)
+
+    records: list[RunRecord] = []
+    for s in sets:
+        for p in prompt_sets[s]:
+            base_rec = None
+            for obj, label in resolved:
+                rec = generate_measured(model, tokenizer, p.input_ids, method=obj, label=label, repeats=repeats,
+                                        warmup=0, **kw)
+                if base_rec is None:
+                    base_rec = rec
+                identical = first_diff = None
+                if temperature == 0 and base_rec.ok and rec.ok:
+                    identical = rec.output_ids == base_rec.output_ids
+                    first_diff = None if identical else _first_difference(rec.output_ids, base_rec.output_ids)
+                lossless = bool(getattr(obj, "lossless", True))
+                rec.extra.update(prompt_set=s, prompt_id=p.prompt_id, task=p.task, kind=_kind(obj),
+                                 baseline=label == base_label, identical_to_baseline=identical,
+                                 first_difference=first_diff, lossless=lossless,
+                                 total_s=_total_seconds(rec))
+                if identical is False and lossless:
+                    logger.warning("%s: output differs from plain greedy decoding on %s prompt %d (first at token "
+                                   "%s) although the method is lossless", label, s, p.prompt_id, first_diff)
+                records.append(rec)
+                if out_path is not None:
+                    with open(out_path / "results.jsonl", "a") as f:
+                        f.write(json.dumps(rec.to_dict()) + "\n")
+    summary = summarize_spec_bench([r.to_dict() for r in records], base_label)
+    summary["config"] = {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup,
+                         "temperature": temperature, "n_prompts": n_prompts, "prompt_sets": sets,
+                         "chat_template": chat_template, "seed": seed, "threads": torch.get_num_threads(),
+                         "load_avg_1m_end": load_average(),
+                         "device": records[0].device if records else "", "dtype": records[0].dtype if records else ""}
+    if out_path is not None:
+        (out_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return SpecBenchResult(records=records, summary=summary, out_dir=out_path)
+
+
+def _sum(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) if values else None
+
+
+def summarize_spec_bench(records: list[dict], baseline: str = BASELINE) -> dict:
+    """Aggregate records (``RunRecord.to_dict()`` with the ``extra`` of :func:`run_spec_bench`) per set and method.
+
+    Returns
+    -------
+    dict
+        ``{"baseline": label, "sets": {set: {label: row}}}``; a row holds ``n``, ``failed``, ``kind``, ``lossless``,
+        ``identical`` (prompts token-identical to the baseline), ``compared``, ``flagged`` (a lossless method not
+        identical on some prompt), ``new_tokens``, ``total_s`` (s), ``tokens_per_s`` (end to end),
+        ``median_decode_tokens_per_s``, ``speedup`` (vs the baseline's ``tokens_per_s``), ``target_forwards``,
+        ``forward_ratio`` (new tokens per target forward; 1.0 for autoregressive decoding),
+        ``mean_accepted_length`` (new tokens per verification step), ``acceptance_rate`` (accepted / proposed draft
+        tokens), ``draft_s`` and ``verify_s`` (s) -- aggregated over the prompts, ``None`` where not defined.
+    """
+    out: dict = {"baseline": baseline, "sets": {}}
+    for rec in records:
+        s = rec["extra"]["prompt_set"]
+        out["sets"].setdefault(s, {}).setdefault(rec["method"], []).append(rec)
+    for s, by_method in out["sets"].items():
+        rows = {}
+        for label, recs in by_method.items():
+            ok = [r for r in recs if r["status"] == "ok"]
+            tel = [r["telemetry"] for r in ok]
+            is_ar = bool(ok) and all("target_forwards" not in t for t in tel)
+            new = sum(r["new_tokens"] for r in ok)
+            total = _sum(r["extra"].get("total_s") for r in ok)
+            if is_ar:  # autoregressive: one target forward per new token, nothing drafted
+                forwards, steps, proposed, accepted, draft_s, verify_s = new, new, None, None, None, None
+            else:
+                forwards = _sum(t.get("target_forwards") for t in tel)
+                steps = _sum(t.get("steps") for t in tel)
+                proposed = _sum(t.get("proposed_total") for t in tel)
+                accepted = _sum(t.get("accepted_total") for t in tel)
+                draft_s = _sum(t.get("draft_seconds") for t in tel)
+                verify_s = _sum(t.get("verify_seconds") for t in tel)
+            compared = [r["extra"].get("identical_to_baseline") for r in ok
+                        if r["extra"].get("identical_to_baseline") is not None]
+            lossless = all(r["extra"].get("lossless", True) for r in recs)
+            decode_tps = [r["tokens_per_s"] for r in ok if r["tokens_per_s"] is not None]
+            rows[label] = {
+                "n": len(recs),
+                "failed": len(recs) - len(ok),
+                "kind": recs[0]["extra"].get("kind"),
+                "method_name": recs[0].get("method_name"),
+                "lossless": lossless,
+                "compared": len(compared),
+                "identical": sum(bool(c) for c in compared),
+                "flagged": lossless and any(c is False for c in compared),
+                "new_tokens": new,
+                "total_s": total,
+                "tokens_per_s": new / total if total else None,
+                "median_decode_tokens_per_s": statistics.median(decode_tps) if decode_tps else None,
+                "target_forwards": forwards,
+                "forward_ratio": new / forwards if forwards else None,
+                "mean_accepted_length": new / steps if steps else None,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "draft_s": draft_s,
+                "verify_s": verify_s,
+            }
+        base = rows.get(baseline)
+        for row in rows.values():
+            row["speedup"] = (row["tokens_per_s"] / base["tokens_per_s"]
+                              if base and base["tokens_per_s"] and row["tokens_per_s"] else None)
+        out["sets"][s] = rows
+    return out
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def spec_bench_table(summary: dict) -> str:
+    """Markdown: per prompt set, one row per method (Spec-Bench's columns plus forward counts and identity).
+
+    A lossless method whose output is not token-identical to the baseline on some prompt shows
+    ``**NOT IDENTICAL k/n**`` and a warning line under its table.
+    """
+    lines = []
+    base = summary.get("baseline", BASELINE)
+    for s, rows in summary["sets"].items():
+        lines.append(f"### prompt set: {s}")
+        lines.append("| method | identical to greedy | mean accepted length | acceptance rate | draft s | verify s | "
+                     "target forwards | tokens / forward | tokens/s | speedup |")
+        lines.append("|" + "---|" * 10)
+        warnings = []
+        for label, r in rows.items():
+            if label == base:
+                ident = "(baseline)"
+            elif not r["compared"]:
+                ident = "-"
+            elif r["identical"] == r["compared"]:
+                ident = f"yes {r['identical']}/{r['compared']}"
+            elif r["flagged"]:
+                ident = f"**NOT IDENTICAL {r['identical']}/{r['compared']}**"
+                warnings.append(f"WARNING: {label} is lossless but its output differs from plain greedy decoding on "
+                                f"{r['compared'] - r['identical']} of {r['compared']} prompts")
+            else:
+                ident = f"no {r['identical']}/{r['compared']} (lossy)"
+            name = f"{label} (autoregressive)" if label == base else label
+            if r["failed"]:
+                name += f" ({r['failed']} failed)"
+            lines.append(
+                f"| {name} | {ident} | {_f(r['mean_accepted_length'], '.2f')} | {_f(r['acceptance_rate'], '.2f')} | "
+                f"{_f(r['draft_s'], '.3f')} | {_f(r['verify_s'], '.3f')} | {_f(r['target_forwards'], 'd')} | "
+                f"{_f(r['forward_ratio'], '.2f')} | {_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup'], '.2f')}x |"
+            )
+        lines.extend(warnings)
+        lines.append("")
+    return "\n".join(lines).rstrip()
