@@ -1,4 +1,85 @@
-"""mmaccel.vision_tokens: planned module (see the issue tracker). Its registry is empty for now."""
+"""mmaccel.vision_tokens: visual-token pruning and merging for ViTs and vision-language models.
 
-METHODS: dict = {}
+>>> method = build_method("fastv:keep_ratio=0.25:layer=2")
+>>> with method.apply(model):
+...     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
 
+Stages: ``vision`` (inside the ViT: ToMe), ``pre-llm`` (between projector and LLM: pooling, VisionZip, PruMerge,
+temporal ToMe for video),
+``in-llm`` (inside the decoder: FastV). ``METHODS`` is the registry the CLI and the app list; adding a method is one
+file and one line here. Every method takes ``keep_ratio`` in (0, 1]; at 1.0 the model's outputs are unchanged.
+"""
+from __future__ import annotations
+
+from ..specs import MethodSpec, build_from_registry
+from .base import (
+    ImageGrid,
+    ImageReducer,
+    LayerPruner,
+    UnsupportedModelError,
+    VisionTokenMethod,
+    VLMParts,
+    check_keep_ratio,
+    kept_count,
+    lift_to_sequence,
+    vit_layers,
+)
+from .fastv import FastV
+from .plan import TokenPlan
+from .pooling import Pooling, pooled_grid, pooling_plan
+from .prumerge import PruMerge, iqr_outliers, prumerge_plan
+from .temporal import TemporalToMe, temporal_merge_plan
+from .tome import ToMe, bipartite_soft_matching, parse_schedule
+from .visionzip import VisionZip, visionzip_plan
+
+METHODS: dict[str, type[VisionTokenMethod]] = {
+    "pooling": Pooling,
+    "tome": ToMe,
+    "visionzip": VisionZip,
+    "prumerge": PruMerge,
+    "fastv": FastV,
+    "temporal-tome": TemporalToMe,
+}
+
+
+def build_method(spec: str | MethodSpec) -> VisionTokenMethod:
+    """Build a visual-token method from a spec such as ``"fastv:keep_ratio=0.25:layer=2"`` or ``"tome:r=8"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the message lists ``METHODS``), an unknown key, or a bad value (e.g. ``keep_ratio``
+        outside (0, 1]).
+    """
+    return build_from_registry(spec, METHODS, kind="visual-token method")
+
+
+__all__ = [
+    "METHODS",
+    "FastV",
+    "ImageGrid",
+    "ImageReducer",
+    "LayerPruner",
+    "Pooling",
+    "PruMerge",
+    "TemporalToMe",
+    "ToMe",
+    "TokenPlan",
+    "UnsupportedModelError",
+    "VLMParts",
+    "VisionTokenMethod",
+    "VisionZip",
+    "bipartite_soft_matching",
+    "build_method",
+    "check_keep_ratio",
+    "iqr_outliers",
+    "kept_count",
+    "lift_to_sequence",
+    "parse_schedule",
+    "pooled_grid",
+    "pooling_plan",
+    "prumerge_plan",
+    "temporal_merge_plan",
+    "visionzip_plan",
+    "vit_layers",
+]

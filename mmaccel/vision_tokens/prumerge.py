@@ -1,0 +1,106 @@
+"""PruMerge: keep the [CLS]-attention outliers (IQR), fill spatially, merge the pruned tokens into them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .base import ImageGrid, ImageReducer, kept_count
+from .plan import TokenPlan
+
+__all__ = ["PruMerge", "iqr_outliers", "prumerge_plan"]
+
+
+def iqr_outliers(scores: torch.Tensor, k: float = 1.5) -> torch.Tensor:
+    """[N] bool: scores above ``Q3 + k * IQR`` (Tukey's fence), PruMerge's adaptive selection."""
+    q1, q3 = torch.quantile(scores.float(), torch.tensor([0.25, 0.75], device=scores.device))
+    return scores.float() > q3 + k * (q3 - q1)
+
+
+def prumerge_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, fence: float = 1.5) -> TokenPlan:
+    """Plan one image.
+
+    Parameters
+    ----------
+    cls_attention : torch.Tensor
+        [N] [CLS] -> patch attention (mean over heads).
+    keys : torch.Tensor
+        [N, d] keys of the same layer (mean over heads).
+    keep : int
+        Output tokens, ``1 <= keep <= N``.
+    fence : float
+        IQR multiplier of the outlier fence.
+
+    Returns
+    -------
+    TokenPlan
+        Batch 1 over N. Kept: the IQR outliers, highest attention first, capped at ``keep``; then (PruMerge+)
+        spatially uniform samples of the other tokens up to ``keep``. Every pruned token is merged into its most
+        similar kept token (key cosine), weighted by [CLS] attention.
+    """
+    N = cls_attention.shape[0]
+    device = cls_attention.device
+    if keep >= N:
+        return TokenPlan.identity(1, N, device)
+    outliers = iqr_outliers(cls_attention, fence)
+    order = cls_attention.float().masked_fill(~outliers, float("-inf")).argsort(descending=True)
+    chosen = order[: min(keep, int(outliers.sum()))]
+    is_kept = torch.zeros(N, dtype=torch.bool, device=device)
+    is_kept[chosen] = True
+    need = keep - chosen.numel()
+    if need > 0:
+        rest = (~is_kept).nonzero().squeeze(1)
+        pick = torch.linspace(0, rest.numel() - 1, need, device=device).round().long()
+        is_kept[rest[pick]] = True
+    kept = is_kept.nonzero().squeeze(1)
+    pruned = (~is_kept).nonzero().squeeze(1)
+    rep = torch.arange(N, device=device)
+    metric = F.normalize(keys.float(), dim=-1)
+    rep[pruned] = kept[(metric[pruned] @ metric[kept].T).argmax(dim=-1)]
+    weight = cls_attention.float().clamp_min(1e-12)
+    return TokenPlan.from_representatives(rep[None], weight[None])
+
+
+@dataclass
+class PruMerge(ImageReducer):
+    """LLaVA-PruMerge (Shang et al., "LLaVA-PruMerge: Adaptive Token Reduction for Efficient Large Multimodal
+    Models", 2024, arXiv 2403.15388), between the projector and the LLM, with a fixed budget.
+
+    Tokens whose [CLS] attention (at the layer LLaVA projects) lies above the IQR fence are kept first; PruMerge+'s
+    spatially uniform samples fill the budget; every pruned token is merged into its most similar kept token (key
+    cosine), weighted by its attention. Differences from the reference code: a fixed budget (``keep_ratio``) so
+    that batches stay rectangular (the paper's count is adaptive: the outliers only); each pruned token joins one
+    kept token (the paper's kept tokens each average their 32 nearest neighbours, which may overlap); merging is on
+    the projected tokens.
+
+    Parameters
+    ----------
+    keep_ratio : float
+        Fraction of visual tokens kept, in (0, 1].
+    fence : float
+        IQR multiplier (1.5 in the paper).
+
+    Raises
+    ------
+    ValueError
+        If ``keep_ratio`` is outside (0, 1] or ``fence < 0``.
+    UnsupportedModelError
+        From ``apply`` on a model without a [CLS]-token tower (Qwen2-VL) or that is not LLaVA-style.
+    """
+
+    fence: float = 1.5
+
+    name: ClassVar[str] = "prumerge"
+    paper: ClassVar[str] = "Shang et al., 2024, arXiv 2403.15388"
+    needs_cls_attention: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.fence, bool) or not isinstance(self.fence, (int, float)) or self.fence < 0:
+            raise ValueError(f"fence must be a number >= 0, got {self.fence!r}")
+
+    def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
+        keep = kept_count(features.shape[0], self.keep_ratio)
+        return prumerge_plan(info["cls_attention"], info["keys"], keep, self.fence)
