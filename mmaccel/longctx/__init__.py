@@ -4,10 +4,16 @@
 >>> out = model.generate(**inputs, past_key_values=method.make_cache(model))
 
 ``METHODS`` is the registry the CLI and the app list; adding a method is one file and one line here.
+
+Methods whose K/V is not one [B, Hkv, S, D] tensor per layer (the retrieval-head split, Quest's pages, AdaKV's per-head
+budgets, quantized K/V) compute their own attention through :mod:`mmaccel.longctx.owned`. Retrieval-head patterns
+are JSON files per model (:mod:`mmaccel.longctx.head_pattern`), found by
+:func:`mmaccel.longctx.head_finder.find_retrieval_heads`.
 """
 from __future__ import annotations
 
 from ..specs import build_from_registry
+from .adakv import AdaKV
 from .base import (
     EvictingLayer,
     KVMethod,
@@ -20,8 +26,12 @@ from .base import (
 from .chunked import Chunked
 from .full import FullAttention
 from .h2o import H2O
+from .head_pattern import HeadPattern, available_head_patterns, load_head_pattern
 from .knorm import KNorm
+from .kvquant import KVQuant
 from .pyramidkv import PyramidKV
+from .quest import Quest
+from .retrieval_heads import RazorAttention, RetrievalHeads
 from .snapkv import SnapKV, snapkv_keep_indices, snapkv_scores
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -36,6 +46,13 @@ METHODS: dict[str, type[KVMethod]] = {
     "tova": TOVA,
     "knorm": KNorm,
     "chunked": Chunked,
+    "retrieval_heads": RetrievalHeads,
+    "duo": RetrievalHeads,
+    "razor": RazorAttention,
+    # "quest" once tests/test_longctx.py stops using it as its example of an unknown name
+    "quest": Quest,
+    "adakv": AdaKV,
+    "kvquant": KVQuant,
 }
 
 
@@ -66,6 +83,14 @@ __all__ = [
     "TOVA",
     "KNorm",
     "Chunked",
+    "RetrievalHeads",
+    "RazorAttention",
+    "Quest",
+    "AdaKV",
+    "KVQuant",
+    "HeadPattern",
+    "load_head_pattern",
+    "available_head_patterns",
     "snapkv_keep_indices",
     "snapkv_scores",
     "kv_cache_bytes",

@@ -78,13 +78,23 @@ def kv_cache_bytes(cache: Cache) -> int:
     Returns
     -------
     int
-        Bytes of the distinct storages behind every layer's ``keys`` and ``values``. A tensor that is a view of a
-        larger one (``DynamicSlidingWindowLayer`` keeps a slice of the concatenated K/V until its next update) counts
-        its whole storage, which is what it keeps alive. Uninitialised layers count 0. Bookkeeping (slot positions,
+        Bytes of the distinct storages behind every layer's ``keys`` and ``values`` (or what its ``kv_tensors()``
+        returns, for layers that store K/V otherwise: two head groups, padded per-head slots, quantized codes). A
+        tensor that is a view of a larger one (``DynamicSlidingWindowLayer`` keeps a slice of the concatenated K/V
+        until its next update) counts its whole storage, which is what it keeps alive. Uninitialised layers count 0. Bookkeeping (slot positions,
         scores) is not counted here: see :func:`bookkeeping_bytes`.
     """
-    tensors = [getattr(layer, name, None) for layer in getattr(cache, "layers", []) for name in ("keys", "values")]
+    tensors = [t for layer in getattr(cache, "layers", []) for t in _kv_tensors(layer)]
     return _storage_bytes(tensors)
+
+
+def _kv_tensors(layer) -> list:
+    """The K/V tensors a layer holds: its ``kv_tensors()`` when it stores more than ``keys``/``values`` (e.g. two
+    head groups, padded per-head slots or quantized codes), else ``[keys, values]``."""
+    own = getattr(layer, "kv_tensors", None)
+    if callable(own):
+        return list(own())
+    return [getattr(layer, "keys", None), getattr(layer, "values", None)]
 
 
 def bookkeeping_bytes(cache: Cache) -> int:
@@ -93,11 +103,12 @@ def bookkeeping_bytes(cache: Cache) -> int:
     Returns
     -------
     int
-        Bytes of the distinct storages of every layer's bookkeeping tensors (0 for transformers' own layers).
+        Bytes of the distinct storages of every layer's bookkeeping tensors (0 for transformers' own layers); any
+        layer with a ``bookkeeping_tensors()`` method contributes what it returns.
     """
     tensors = []
     for layer in getattr(cache, "layers", []):
-        if isinstance(layer, EvictingLayer):
+        if isinstance(layer, EvictingLayer) or callable(getattr(layer, "bookkeeping_tensors", None)):
             tensors.extend(layer.bookkeeping_tensors())
     return _storage_bytes(tensors)
 

@@ -1,0 +1,286 @@
+"""KV-cache quantization (KIVI-style: keys per channel, values per token) with a full-precision residual window,
+composable with prefill-time eviction.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", 2024, arXiv 2402.02750.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import attention, decode_attention
+from .base import EvictingLayer, KVMethod, KVScorer, LayerStep, _check_int, bookkeeping_bytes, kv_cache_bytes
+from .chunked import resolve_inner
+from .owned import AttentionOwningLayer, OwnedAttentionCache
+
+_BITS = (2, 4, 8, 16)
+_AXES = ("channel", "token")
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max integer quantization of ``x``, one scale and zero point per slice along ``dim`` (KIVI, Liu
+    et al., 2024, arXiv 2402.02750).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float tensor whose last dimension is a multiple of ``8 // bits`` (codes are packed along it).
+    bits : {2, 4, 8}
+        Code width.
+    dim : int
+        The dimension reduced for each scale (e.g. the token dimension of a group of tokens: per-channel scales).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor, torch.Tensor)
+        ``codes``: uint8, ``x`` with the last dimension divided by ``8 // bits`` (packed, low bits first);
+        ``scale``, ``zero``: ``x.dtype``, ``x``'s shape with ``dim`` of size 1. ``x ~= code * scale + zero``, with an
+        error of at most ``scale / 2`` per element.
+    """
+    levels = (1 << bits) - 1
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / levels).clamp(min=1e-8)
+    codes = ((x - lo) / scale).round().clamp(0, levels).to(torch.uint8)
+    return pack(codes, bits), scale.to(x.dtype), lo.to(x.dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes of ``bits`` bits, ``8 // bits`` per byte along the last dimension (low bits first)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 codes with the last dimension multiplied by ``8 // bits``."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``unpack(codes) * scale + zero`` in the scale's dtype."""
+    return unpack(codes, bits).to(scale.dtype) * scale + zero
+
+
+class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
+    """An evicting layer whose older slots are stored as integer codes; the newest ``residual`` stay full precision.
+
+    Attributes
+    ----------
+    keys, values : torch.Tensor
+        [B, Hkv, R, D] the full-precision part (every slot until the first quantization, then the residual window).
+    key_codes, value_codes : torch.Tensor or None
+        uint8 [B, Hkv, N, D * bits / 8] the quantized slots, oldest first.
+    key_scale, key_zero : torch.Tensor or None
+        Per-channel keys: [B, Hkv, N / group, 1, D] (one per channel and group of ``group`` tokens); per-token:
+        [B, Hkv, N, 1].
+    value_scale, value_zero : torch.Tensor or None
+        Per-token values: [B, Hkv, N, 1]; per-channel: [B, Hkv, N / group, 1, D].
+    quantized_positions : torch.Tensor or None
+        int64 [B, Hkv, N] sequence positions of the quantized slots.
+    """
+
+    def __init__(self, bits: int, key_axis: str, value_axis: str, group: int, residual: int):
+        super().__init__()
+        self.bits, self.key_axis, self.value_axis, self.group, self.residual = bits, key_axis, value_axis, group, residual
+        self.key_codes = self.value_codes = None
+        self.key_scale = self.key_zero = self.value_scale = self.value_zero = None
+        self.quantized_positions = None
+
+    @property
+    def quantized(self) -> int:
+        """Number of quantized slots ``N``."""
+        return 0 if self.key_codes is None else int(self.key_codes.shape[2])
+
+    def _quantize(self, x: torch.Tensor, axis: str):
+        if axis == "token":  # one scale per token (over its channels)
+            return quantize(x, self.bits, dim=-1)
+        B, H, n, D = x.shape  # one scale per channel and group of tokens
+        codes, scale, zero = quantize(x.reshape(B, H, n // self.group, self.group, D), self.bits, dim=3)
+        return codes.reshape(B, H, n, -1), scale, zero
+
+    def _dequantize(self, codes, scale, zero, axis: str) -> torch.Tensor:
+        if axis == "token":
+            return dequantize(codes, scale, zero, self.bits)
+        B, H, n, _ = codes.shape
+        grouped = codes.reshape(B, H, n // self.group, self.group, -1)
+        return dequantize(grouped, scale, zero, self.bits).reshape(B, H, n, -1)
+
+    def quantize_overflow(self) -> None:
+        """Move the oldest full-precision slots beyond the ``residual`` newest into the quantized store, in whole
+        groups of ``group`` tokens (so every per-channel group is complete)."""
+        if self.bits == 16:
+            return
+        n = (self.held - self.residual) // self.group * self.group
+        if n <= 0:
+            return
+        kc, ks, kz = self._quantize(self.keys[:, :, :n].float(), self.key_axis)
+        vc, vs, vz = self._quantize(self.values[:, :, :n].float(), self.value_axis)
+        ks, kz, vs, vz = (t.to(self.keys.dtype) for t in (ks, kz, vs, vz))
+
+        def cat(old, new):  # every stored tensor has the sequence (or group) axis at dim 2
+            return new if old is None else torch.cat([old, new], dim=2)
+
+        self.key_codes, self.value_codes = cat(self.key_codes, kc), cat(self.value_codes, vc)
+        self.key_scale, self.key_zero = cat(self.key_scale, ks), cat(self.key_zero, kz)
+        self.value_scale, self.value_zero = cat(self.value_scale, vs), cat(self.value_zero, vz)
+        self.quantized_positions = cat(self.quantized_positions, self.positions[:, :, :n].clone())
+        self.keep(torch.arange(n, self.held, device=self.keys.device))
+
+    def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, Hkv, N + R, D] dequantized + full-precision K and V (a transient copy, one layer at a time)."""
+        if self.key_codes is None:
+            return self.keys, self.values
+        k = self._dequantize(self.key_codes, self.key_scale, self.key_zero, self.key_axis).to(self.keys.dtype)
+        v = self._dequantize(self.value_codes, self.value_scale, self.value_zero, self.value_axis).to(self.values.dtype)
+        return torch.cat([k, self.keys], dim=2), torch.cat([v, self.values], dim=2)
+
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        k, v = self.full_kv()
+        if query.shape[2] == 1:
+            return decode_attention(query, k, v, scaling=scaling)
+        return attention(query, k, v, causal=True, scaling=scaling)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values, self.key_codes, self.value_codes) if t is not None]
+
+    def bookkeeping_tensors(self) -> list[torch.Tensor]:
+        extra = (self.key_scale, self.key_zero, self.value_scale, self.value_zero, self.quantized_positions)
+        return [*super().bookkeeping_tensors(), *(t for t in extra if t is not None)]
+
+
+@dataclass
+class KVQuant(KVMethod):
+    """KIVI-style K/V quantization (Liu et al., 2024, arXiv 2402.02750), optionally after prefill-time eviction.
+
+    After every forward, each layer's full-precision slots beyond the ``residual`` newest are quantized in whole
+    groups of ``group`` tokens: keys per channel (one scale and zero per channel and group, KIVI's choice: key
+    outliers sit in fixed channels), values per token (one per token), or either on either axis. Codes are packed
+    ``8 // bits`` per byte. With a wrapped eviction method (``kvquant:bits=4:method=snapkv,budget=256``) the prefill
+    is scored and evicted on full-precision K/V first, then what is kept is quantized. Attention dequantizes a layer's
+    codes on the fly (a transient copy of one layer) and runs :func:`mmaccel.kernels.attention` /
+    :func:`~mmaccel.kernels.decode_attention`.
+
+    ``kv_cache_bytes`` reports the codes plus the full-precision residual; scales, zeros and positions are
+    ``bookkeeping_bytes``. ``bits=16`` stores everything in full precision (a passthrough, bit-exact with the wrapped
+    method).
+
+    Parameters
+    ----------
+    bits : {2, 4, 8, 16}
+        Code width (default 4).
+    key_axis, value_axis : {"channel", "token"}
+        The axis a scale covers for keys (default "channel") and values (default "token").
+    group : int
+        Tokens per per-channel group, >= 1 (default 32); quantization moves whole groups.
+    residual : int
+        Newest tokens kept in full precision, >= 0 (default 32).
+    method : KVMethod or str
+        The eviction method run first (default "full": no eviction), or its spec with commas for colons. Only
+        prefill-time eviction composes (snapkv, pyramidkv, tova, knorm); methods that evict at every decode step
+        (h2o, streaming) or store K/V their own way are refused.
+
+    Notes
+    -----
+    Chunked prefill (``generate(prefill_chunk_size=C)``) works without eviction; with eviction a later chunk would be
+    scored against quantized keys and is refused. Padded batches raise when a method evicts.
+
+    Raises
+    ------
+    ValueError
+        On a bad hyper-parameter or a wrapped method that does not compose; head_dim not divisible by
+        ``8 // bits`` at the first quantization.
+    """
+
+    bits: int = 4
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    group: int = 32
+    residual: int = 32
+    method: object = "full"
+
+    method_name = "kvquant"
+    supports_chunking = False
+    chunking_error = ("its layers compute their own attention, which the Chunked wrapper's cache does not route; "
+                      "use generate(..., prefill_chunk_size=C)")
+
+    def __post_init__(self):
+        if self.bits not in _BITS:
+            raise ValueError(f"kvquant: bits must be one of {_BITS}, got {self.bits!r}; e.g. kvquant:bits=4")
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in _AXES:
+                raise ValueError(f"kvquant: {name} must be one of {_AXES}, got {getattr(self, name)!r}")
+        _check_int("kvquant", "group", self.group, 1, "e.g. kvquant:group=32")
+        _check_int("kvquant", "residual", self.residual, 0, "e.g. kvquant:residual=32")
+        inner = resolve_inner(self.method, "kvquant")
+        if inner.name != "full" and (not isinstance(inner, KVScorer) or inner.evicts_on_decode
+                                     or type(inner.make_layer(0)) is not EvictingLayer):
+            raise ValueError(
+                f"kvquant composes with prefill-time eviction (snapkv, pyramidkv, tova, knorm), not {inner.name}; "
+                "e.g. kvquant:bits=4:method=snapkv,budget=256"
+            )
+        self.method = inner
+
+    @property
+    def spec(self) -> str:
+        return (f"kvquant:bits={self.bits}:key_axis={self.key_axis}:value_axis={self.value_axis}:group={self.group}"
+                f":residual={self.residual}:method={self.method.spec.replace(':', ',')}")
+
+    @property
+    def padding_safe(self) -> bool:
+        return self.method.name == "full"
+
+    def make_layer(self, layer_idx: int) -> QuantizedLayer:
+        return QuantizedLayer(self.bits, self.key_axis, self.value_axis, self.group, self.residual)
+
+    def make_cache(self, model: torch.nn.Module) -> OwnedAttentionCache:
+        """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
+        return OwnedAttentionCache(model, self)
+
+    def on_step(self, step: LayerStep) -> None:
+        layer = step.layer
+        if self.method.name != "full":
+            if step.phase == "prefill" and layer.quantized:
+                raise ValueError("kvquant with eviction cannot run a second prefill chunk (it would score quantized "
+                                 "keys); prefill in one forward or drop the eviction method")
+            self.method.on_step(step)
+        layer.quantize_overflow()
+
+    def telemetry(self, cache) -> dict:
+        """``method``, ``spec``, the hyper-parameters, ``seen_tokens``, ``kept_tokens_per_layer`` (quantized +
+        residual), ``quantized_tokens_per_layer``, ``evicted_tokens``, ``kv_cache_bytes`` (codes + residual),
+        ``bookkeeping_bytes`` (scales, zeros, positions), ``warnings`` (with the wrapped method's)."""
+        layers = [l for l in getattr(cache, "layers", []) if isinstance(l, QuantizedLayer)]
+        kept = [l.quantized + l.held for l in layers]
+        seen = [l.cumulative_length for l in layers]
+        warnings = list(getattr(cache, "warnings", []))
+        targets = [(l.target, l.prefill_length) for l in layers if l.target is not None]
+        if targets and all(t >= n for t, n in targets):
+            warnings.insert(0, f"budget {min(t for t, _ in targets)} >= context {targets[0][1]} tokens: "
+                               f"{self.method.name} evicted nothing (quantization only)")
+        return {
+            "method": self.name,
+            "spec": self.spec,
+            "bits": self.bits,
+            "key_axis": self.key_axis,
+            "value_axis": self.value_axis,
+            "group": self.group,
+            "residual": self.residual,
+            "inner_method": self.method.spec,
+            "seen_tokens": max(seen, default=0),
+            "kept_tokens_per_layer": kept,
+            "quantized_tokens_per_layer": [l.quantized for l in layers],
+            "evicted_tokens": int(sum(s - k for s, k in zip(seen, kept))),
+            "kv_cache_bytes": kv_cache_bytes(cache),
+            "bookkeeping_bytes": bookkeeping_bytes(cache),
+            "warnings": warnings,
+        }
