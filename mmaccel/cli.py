@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_niah)
 
+    p = sub.add_parser("app", help="the Gradio workbench (apps/workbench.py; arguments go to it)", add_help=False)
+    p.add_argument("app_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_app)
+
     p = sub.add_parser("niah-merge", help="merge NIAH sweeps run in separate processes into one summary")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="folders written by `mmaccel niah --out`")
     p.add_argument("--out", required=True, help="output folder")
@@ -311,6 +315,16 @@ def cmd_niah(args) -> int:
     return 0
 
 
+def cmd_app(args) -> int:
+    """``mmaccel app ...``: run ``python -m apps.workbench`` with the remaining arguments."""
+    try:
+        from apps import workbench
+    except ImportError as exc:
+        raise CLIError(f"the app is not available ({exc}): run from the mmaccel repository root, with the `app` "
+                       "extra installed (pip install -e '.[app]')") from exc
+    return int(workbench.main(list(args.app_args)) or 0)
+
+
 def cmd_niah_merge(args) -> int:
     """``mmaccel niah-merge DIR... --out DIR``: one summary and heatmaps from several sweeps."""
     from .eval.niah import merge_results
@@ -460,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # argparse.REMAINDER after a subcommand does not capture leading options: split kernel-bench off ourselves.
     try:
-        if "kernel-bench" in argv:
+        if argv[:1] == ["app"]:
+            args = parser.parse_args(["app"])
+            args.app_args = argv[1:]
+        elif "kernel-bench" in argv:
             i = argv.index("kernel-bench")
             args = parser.parse_args(argv[: i + 1])
             rest = argv[i + 1:]

@@ -1,0 +1,1018 @@
+"""The mmaccel workbench: a Gradio app that runs 2 to 4 configurations side by side and measures each one fairly.
+
+Launch it with ``python -m apps.workbench`` (127.0.0.1:7860 by default; ``--host``, ``--port``, ``--share``,
+``--device``, ``--threads``, ``--max-upload-mb``). Tests build it with :func:`build_app` and query it with
+``gradio_client``.
+
+Everything a column offers comes from a registry: the method dropdown lists ``mmaccel.longctx.METHODS`` (or
+``mmaccel.speculative.METHODS``), and the parameter fields under it are generated from the method class's
+constructor signature and docstring (:mod:`apps.forms`), so a method added to a registry appears here with no edit.
+A filled form is shown as its method spec (``snapkv:budget=256``), which is also what the endpoints take.
+
+Fair timing: every measured endpoint shares one queue slot (concurrency 1), so two requests never run at once; inside
+a request the configurations run one after another on the same input, each after a warm-up run. Results stream in
+column by column; the Stop button cancels between columns.
+
+Endpoints (``api_name``): ``longctx``, ``niah_document``, ``generation``, ``niah_eval``, ``kernels``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import io
+import json
+import logging
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from . import forms
+
+logger = logging.getLogger(__name__)
+
+MAX_COLUMNS = 4
+AUTOREGRESSIVE = "autoregressive"
+"""The Generation tab's baseline: plain greedy decoding, no drafter."""
+
+FAIR_TIMING = (
+    "**Fair timing.** Requests wait on one queue with concurrency 1: nothing else runs while a comparison is measured. "
+    "Inside a request the configurations run one after another on the same input, each after one warm-up run; "
+    "times are medians over *repeats*. Peak memory on the CPU is the sampled growth of the process RSS (an "
+    "approximate lower bound); on CUDA it is exact."
+)
+
+_ERROR_STYLE = ("color:#8a1020;background:#fdecee;border:1px solid #e3a1aa;border-radius:6px;padding:8px;"
+                "white-space:pre-wrap")
+_TEXT_STYLE = "white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:14px;line-height:1.5"
+_ACCEPTED_STYLE = "background:#b7efc5;border-radius:3px"
+_TARGET_STYLE = "background:#e8e8f0;border-radius:3px"
+METRIC_HEADERS = ["metric", "value"]
+WARMUPS = ["full input", "short prompt (last 64 tokens)"]
+
+
+class InputError(ValueError):
+    """Bad user input (an upload, a question, a length): shown as an error in the columns."""
+
+
+# --------------------------------------------------------------------------------------------------------- models
+class ModelCache:
+    """Loaded models by name, at most ``capacity`` of them (least recently used evicted), loaded with
+    :func:`mmaccel.load` (never with ``trust_remote_code``)."""
+
+    def __init__(self, device: str = "auto", capacity: int = 2):
+        self.device, self.capacity = device, capacity
+        self._models: OrderedDict[str, tuple] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str):
+        """``(model, tokenizer)`` for a zoo name, a local checkpoint directory or a hub id.
+
+        Raises
+        ------
+        mmaccel.models.ModelLoadError
+            An unknown model (the message lists the zoo), a bad directory, a hub id while offline, a failed fetch.
+        """
+        import mmaccel
+
+        name = (name or "").strip()
+        if not name:
+            raise InputError("no model given: pick a zoo model or type a local checkpoint directory")
+        with self._lock:
+            if name in self._models:
+                self._models.move_to_end(name)
+                return self._models[name]
+            logger.info("loading model %s on %s", name, self.device)
+            pair = mmaccel.load(name, device=self.device)
+            self._models[name] = pair
+            while len(self._models) > self.capacity:
+                self._models.popitem(last=False)
+            return pair
+
+
+def text_model_choices() -> list[str]:
+    """Zoo names of the models the text tabs can run: trained micro-models and fetched causal LMs."""
+    from mmaccel.models import FETCHED, ZOO
+
+    names = list(ZOO)
+    names += [n for n, e in FETCHED.items() if "CausalLM" in e.model_class or "ConditionalGeneration" in e.model_class]
+    return names
+
+
+# ------------------------------------------------------------------------------------------------------ documents
+def read_upload(path: str | None, max_bytes: int) -> str | None:
+    """The text of an uploaded file (Gradio keeps it in its temp folder), or ``None`` when there is none.
+
+    Raises
+    ------
+    InputError
+        A file over ``max_bytes``, a binary file (a NUL byte) or a file that is not UTF-8 text.
+    """
+    if not path:
+        return None
+    p = Path(path)
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise InputError(f"the uploaded file {p.name} is {size / 2**20:.1f} MiB; the limit is "
+                         f"{max_bytes / 2**20:.1f} MiB")
+    data = p.read_bytes()
+    if b"\x00" in data:
+        raise InputError(f"the uploaded file {p.name} is not a text file (it contains NUL bytes); upload UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"the uploaded file {p.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not text.strip():
+        raise InputError(f"the uploaded file {p.name} is empty")
+    return text
+
+
+def build_prompt(tokenizer, document: str, question: str, chat_template: str = "auto") -> list[int]:
+    """Token ids of ``document`` followed by ``question``: one user turn of the chat template when the tokenizer has
+    one (``"auto"``), else the plain text ``document + "\\n" + question`` after BOS (the micro-models' layout)."""
+    from mmaccel.eval.haystack import resolve_chat_template
+
+    document, question = (document or "").strip(), (question or "").strip()
+    if not document and not question:
+        raise InputError("the document and the question are both empty: paste or upload a document, or generate one")
+    text = f"{document}\n{question}".strip()
+    if resolve_chat_template(tokenizer, chat_template):
+        msgs = [{"role": "user", "content": f"{document}\n\n{question}".strip()}]
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
+        ids = list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id] + ids
+    return [int(i) for i in ids]
+
+
+def niah_document(tokenizer, length: int, depth: float, seed: int, haystack=None) -> tuple[str, str, str]:
+    """A NIAH document (held-out prose with one planted fact), its question and the expected answer.
+
+    ``haystack`` is a :class:`~mmaccel.eval.haystack.HaystackTokens` (default: the held-out standard-library prose).
+
+    The document is the haystack with the needle, decoded to text; the question is the completion sentence for a
+    tokenizer without a chat template and the plain question with one (see :mod:`mmaccel.eval.haystack`).
+    """
+    from mmaccel.eval.haystack import CHAT_QUESTION_TEMPLATE, QUESTION_TEMPLATE, make_niah_sample, resolve_chat_template
+
+    sample = make_niah_sample(tokenizer, int(length), float(depth), seed=int(seed), chat_template=False,
+                              haystack=haystack)
+    needle = sample.needles[0]
+    plain_q = needle.question(QUESTION_TEMPLATE)
+    q_ids = tokenizer.encode("\n" + plain_q, add_special_tokens=False)
+    start = 1 if tokenizer.bos_token_id is not None and sample.input_ids[0] == tokenizer.bos_token_id else 0
+    document = tokenizer.decode(sample.input_ids[start: len(sample.input_ids) - len(q_ids)])
+    use_chat = resolve_chat_template(tokenizer, "auto")
+    question = needle.question(CHAT_QUESTION_TEMPLATE) if use_chat else plain_q
+    return document.strip(), question, sample.answer
+
+
+# ------------------------------------------------------------------------------------------------- result display
+@dataclass
+class ColumnResult:
+    """What one column shows: an HTML body (output or error) and its metric rows."""
+
+    html: str = ""
+    rows: list = field(default_factory=list)
+    record: Any = None
+    error: str | None = None
+
+    @classmethod
+    def failure(cls, message: str) -> ColumnResult:
+        """A column that shows ``error: message``."""
+        return cls(html=error_html(message), error=message)
+
+
+def error_html(message: str) -> str:
+    """An error box for a column."""
+    return f'<div class="mm-error" style="{_ERROR_STYLE}"><b>error</b>: {html.escape(str(message))}</div>'
+
+
+def _mib(n) -> float | None:
+    return None if n is None else round(n / 2**20, 3)
+
+
+def _round(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def record_rows(rec) -> list[list]:
+    """Metric rows ``[name, number]`` of a :class:`~mmaccel.eval.generation.RunRecord` (``None`` where unknown)."""
+    tel = rec.telemetry or {}
+    rows = [
+        ["TTFT (s)", _round(rec.ttft_s)],
+        ["decode time (s)", _round(rec.decode_s)],
+        ["tokens/s", _round(rec.tokens_per_s, 2)],
+        ["peak memory (MiB)", _mib(rec.peak_memory_bytes)],
+        ["KV after prefill (MiB)", _mib(rec.kv_cache_bytes_prefill)],
+        ["KV at end (MiB)", _mib(rec.kv_cache_bytes_final)],
+        ["prompt tokens", rec.prompt_tokens],
+        ["new tokens", rec.new_tokens],
+    ]
+    if tel.get("mean_accepted_length") is not None or rec.method_name == AUTOREGRESSIVE:
+        rows.append(["mean accepted length", _round(tel.get("mean_accepted_length", 1.0), 3)])
+    if "correct" in rec.extra:
+        rows.append(["correct (strict)", 1 if rec.extra["correct"] else 0])
+    return rows
+
+
+def metrics_table(rows: list) -> dict:
+    """The value of a metrics ``gr.Dataframe``."""
+    return {"headers": METRIC_HEADERS, "data": rows or [["-", None]]}
+
+
+RATIO_METRICS = ("TTFT (s)", "decode time (s)", "tokens/s", "peak memory (MiB)", "KV at end (MiB)")
+
+
+def ratio_figure(labels: list[str], results: list[ColumnResult]):
+    """A grouped bar plot: each metric of :data:`RATIO_METRICS` as a ratio to the first column (1.0 = the same);
+    ``None`` when fewer than two columns succeeded or the first failed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [(lab, r) for lab, r in zip(labels, results) if r is not None and r.record is not None]
+    if len(ok) < 2 or results[0] is None or results[0].record is None:
+        return None
+    base = dict(results[0].rows)
+    metrics = [m for m in RATIO_METRICS if base.get(m)]
+    if not metrics:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
+    width = 0.8 / len(ok)
+    for j, (lab, r) in enumerate(ok):
+        vals = dict(r.rows)
+        ys = [(vals.get(m) or 0) / base[m] for m in metrics]
+        xs = [i + (j - (len(ok) - 1) / 2) * width for i in range(len(metrics))]
+        bars = ax.bar(xs, ys, width, label=lab[:40])
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(metrics)), metrics, fontsize=8)
+    ax.set_ylabel(f"ratio to column 1 ({labels[0][:30]})", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("ratios to the first column (lower is better, except tokens/s)", fontsize=9)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds, by incremental decoding (so spaces and multi-byte characters come out right)."""
+    pieces, prev = [], ""
+    for i in range(len(ids)):
+        text = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        pieces.append(text[len(prev):] if text.startswith(prev) else tokenizer.decode([ids[i]]))
+        prev = text
+    return pieces
+
+
+def accepted_mask(new_tokens: int, accepted: list[int]) -> list[bool]:
+    """Per generated token: ``True`` when it is a draft token the target accepted, ``False`` when the target's own
+    verification produced it. Each verification step commits its ``m`` accepted drafts, then one target token
+    (the engine's layout; the last step may be cut by ``max_new_tokens`` or EOS)."""
+    mask: list[bool] = []
+    for m in accepted:
+        mask += [True] * m + [False]
+    return mask[:new_tokens] + [False] * max(0, new_tokens - len(mask))
+
+
+def coloured_html(pieces: list[str], mask: list[bool]) -> str:
+    """Generated text as HTML: accepted draft tokens on green, target tokens on grey."""
+    spans = []
+    for text, acc in zip(pieces, mask):
+        cls, style = ("mm-accepted", _ACCEPTED_STYLE) if acc else ("mm-target", _TARGET_STYLE)
+        spans.append(f'<span class="{cls}" style="{style}">{html.escape(text)}</span>')
+    return f'<div class="mm-output" style="{_TEXT_STYLE}">{"".join(spans)}</div>'
+
+
+def text_html(text: str, note: str = "") -> str:
+    """Plain generated text as HTML, with an optional note under it."""
+    body = html.escape(text) if text else "<i>(no tokens generated)</i>"
+    extra = f'<div style="margin-top:6px;font-size:13px">{note}</div>' if note else ""
+    return f'<div class="mm-output" style="{_TEXT_STYLE}">{body}</div>{extra}'
+
+
+# -------------------------------------------------------------------------------------------------- measurement
+def measure_speculative(model, tokenizer, input_ids: list[int], spec: str, *, max_new_tokens: int,
+                        num_draft_tokens: int, repeats: int = 1, warmup: int = 1):
+    """Greedy speculative decoding with the drafter ``spec``, measured like
+    :func:`~mmaccel.eval.generation.generate_measured`: a :class:`RunRecord` (medians over ``repeats`` after
+    ``warmup`` runs) plus the last :class:`~mmaccel.speculative.SpeculativeOutput` (for the accepted-token colours).
+
+    TTFT is the engine's ``first_token_seconds`` (prefill + first verification); decode time is the rest of the call.
+    A run that raises gives a ``status="failed"`` record.
+    """
+    import torch
+
+    from mmaccel.eval.generation import RunRecord, load_average, median_or_none
+    from mmaccel.eval.memory import PeakMemory
+    from mmaccel.speculative import build_drafter, speculative_generate
+
+    drafter = build_drafter(spec)
+    device = getattr(model, "device", torch.device("cpu"))
+    ids = torch.tensor([input_ids], device=device)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    rec = RunRecord(method=spec, method_name=getattr(drafter, "name", spec.split(":")[0]), prompt_tokens=len(input_ids),
+                    repeats=repeats, warmup=warmup, device=str(device), threads=torch.get_num_threads(),
+                    dtype=str(next(model.parameters()).dtype))
+    runs, out = [], None
+    try:
+        with torch.inference_mode():
+            for i in range(warmup + repeats):
+                if i == warmup:
+                    rec.load_avg_1m = load_average()
+                with PeakMemory(device) as mem:
+                    out = speculative_generate(model, ids, drafter, max_new_tokens=max_new_tokens,
+                                               num_draft_tokens=num_draft_tokens, eos_token_id=eos)
+                if i >= warmup:
+                    decode = out.total_seconds - out.first_token_seconds
+                    runs.append({"ttft_s": out.first_token_seconds, "decode_s": decode,
+                                 "tokens_per_s": (out.new_tokens - 1) / decode if decode > 0 else None,
+                                 "peak_memory_bytes": mem.peak})
+                rec.peak_memory_method = mem.method
+    except Exception as exc:  # noqa: BLE001 - a failed run is shown in its column
+        rec.status, rec.error = "failed", f"{type(exc).__name__}: {exc}"
+        return rec, None
+    new_ids = [int(t) for t in out.sequences[0, out.prompt_length:].tolist()]
+    rec.output_ids, rec.new_tokens = new_ids, out.new_tokens
+    rec.output_text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    rec.samples = runs
+    for k in ("ttft_s", "decode_s", "tokens_per_s", "peak_memory_bytes"):
+        setattr(rec, k, median_or_none([r[k] for r in runs]))
+    rec.kv_cache_bytes_final = out.kv_cache_bytes
+    rec.telemetry = out.telemetry()
+    return rec, out
+
+
+# ------------------------------------------------------------------------------------------------- column forms
+@dataclass
+class MethodColumn:
+    """The components of one configuration column: a method dropdown, one generated parameter group per method,
+    the composed spec, and the output components the tab adds."""
+
+    index: int
+    container: Any
+    dropdown: Any
+    spec: Any
+    groups: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+
+
+def _component(f: forms.Field, key: str):
+    """A Gradio component for a generated field (``key`` is also its element id)."""
+    common = {"label": f.label, "info": f.help[:300] if f.help else None, "key": key, "elem_id": key}
+    if f.kind == "int":
+        return gr.Number(value=f.default, precision=0, minimum=f.minimum, **common)
+    if f.kind == "float":
+        return gr.Number(value=f.default, minimum=f.minimum, **common)
+    if f.kind == "bool":
+        return gr.Checkbox(value=bool(f.default), **common)
+    if f.kind == "choice":
+        return gr.Dropdown(choices=f.choices, value=f.default, **common)
+    return gr.Textbox(value="" if f.default is None else str(f.default), **common)
+
+
+def method_column(tab: str, index: int, registry: Mapping[str, type], default: str, *,
+                  extra: Mapping[str, str] | None = None) -> MethodColumn:
+    """Build one configuration column inside the current Blocks context, its form generated from ``registry``.
+
+    Parameters
+    ----------
+    tab : str
+        Tab key (used in element ids: ``{tab}-col{index}-...``).
+    index : int
+        Column number, 0-based.
+    registry : mapping
+        Name -> method class, e.g. ``mmaccel.longctx.METHODS``; aliases are listed once.
+    default : str
+        The method selected at start.
+    extra : mapping, optional
+        Choices that are not registry classes (name -> description), e.g. the autoregressive baseline.
+    """
+    extra = dict(extra or {})
+    names = list(extra) + forms.unique_names(registry)
+    with gr.Column(visible=index < 2, min_width=260, elem_id=f"{tab}-col{index}", key=f"{tab}-col{index}") as box:
+        gr.Markdown(f"### Column {index + 1}" + (" (baseline of the ratios)" if index == 0 else ""))
+        dropdown = gr.Dropdown(choices=names, value=default, label="method", elem_id=f"{tab}-col{index}-method",
+                               key=f"{tab}-col{index}-method")
+        col = MethodColumn(index=index, container=box, dropdown=dropdown, spec=None)
+        for name in names:
+            cls = registry.get(name)
+            fields = forms.method_fields(cls) if cls is not None else []
+            about = extra.get(name) or (forms.summary(cls) if cls is not None else "")
+            with gr.Group(visible=name == default, key=f"{tab}-col{index}-{name}") as group:
+                if about:
+                    gr.Markdown(f"<small>{html.escape(about[:400])}</small>")
+                comps = [_component(f, key=f"{tab}-col{index}-{name}-{f.name}") for f in fields]
+            col.groups[name] = group
+            col.inputs[name] = (fields, comps)
+        col.spec = gr.Textbox(value=default, label="spec (composed from the form; editable)",
+                              elem_id=f"{tab}-col{index}-spec", key=f"{tab}-col{index}-spec")
+    _wire_column(col)
+    return col
+
+
+def _wire_column(col: MethodColumn) -> None:
+    """Events: the dropdown shows its method's group; any field change recomposes the spec."""
+    names = list(col.groups)
+    all_comps = [c for name in names for c in col.inputs[name][1]]
+
+    def on_method(name, *values):
+        updates = [gr.update(visible=n == name) for n in names]
+        pos = 0
+        spec = name
+        for n in names:
+            fields, comps = col.inputs[n]
+            if n == name:
+                spec = _safe_compose(n, fields, values[pos: pos + len(comps)])
+            pos += len(comps)
+        return [*updates, spec]
+
+    col.dropdown.change(on_method, [col.dropdown, *all_comps], [*col.groups.values(), col.spec], queue=False,
+                        api_visibility="private", show_progress="hidden")
+    for name in names:
+        fields, comps = col.inputs[name]
+        if not comps:
+            continue
+
+        def on_field(*values, _name=name, _fields=fields):
+            return _safe_compose(_name, _fields, values)
+
+        gr.on([c.change for c in comps], on_field, comps, col.spec, queue=False, api_visibility="private",
+              show_progress="hidden")
+
+
+def _safe_compose(name: str, fields, values) -> str:
+    try:
+        return forms.compose_spec(name, fields, list(values))
+    except ValueError as exc:
+        gr.Warning(str(exc))
+        return name
+
+
+def _columns_visibility(n) -> list:
+    n = int(n)
+    return [gr.update(visible=i < n) for i in range(MAX_COLUMNS)]
+
+
+# --------------------------------------------------------------------------------------------------------- the app
+class Workbench:
+    """The handlers behind the app's endpoints; each is also callable directly (tests, scripts).
+
+    Parameters
+    ----------
+    models : ModelCache
+        Where models are loaded and kept.
+    max_upload_bytes : int
+        Size limit of an uploaded document.
+    work_dir : path
+        Temp folder for outputs (NIAH heatmaps, kernel-bench JSON).
+    haystack : path, optional
+        A UTF-8 text file used as the NIAH haystack (default: the held-out standard-library prose, which takes
+        seconds to build the first time).
+    """
+
+    def __init__(self, models: ModelCache, max_upload_bytes: int, work_dir: Path, haystack=None):
+        self.models, self.max_upload_bytes, self.work_dir = models, max_upload_bytes, Path(work_dir)
+        self.haystack = None if haystack is None else str(haystack)
+        self._haystacks: dict = {}
+
+    def haystack_tokens(self, tokenizer):
+        """The NIAH haystack for ``tokenizer`` (``None`` = the default prose), built once per tokenizer."""
+        if self.haystack is None:
+            return None
+        key = id(tokenizer)
+        if key not in self._haystacks:
+            from mmaccel.eval.haystack import HaystackTokens
+
+            self._haystacks[key] = HaystackTokens(tokenizer, Path(self.haystack).read_text(encoding="utf-8"))
+        return self._haystacks[key]
+
+    # ---------------------------------------------------------------- shared
+    @staticmethod
+    def _outputs(status: str, results: list, labels: list[str], with_plot: bool = True, final: bool = True) -> list:
+        """``[status, (html, metrics) x 4]`` plus, ``with_plot``, the ratio plot (drawn only when ``final``)."""
+        out: list = [status]
+        for i in range(MAX_COLUMNS):
+            r = results[i] if i < len(results) else None
+            out += [r.html if r else "", metrics_table(r.rows if r else [])]
+        if with_plot:
+            out.append(ratio_figure(labels, results) if results and final else None)
+        return out
+
+    def _load(self, model_name: str, n: int, progress):
+        """``(model, tokenizer, None)`` or ``(None, None, [failure per column])``."""
+        progress(0.0, desc=f"loading {model_name} (a fetched zoo model is downloaded once)")
+        try:
+            model, tok = self.models.get(model_name)
+        except Exception as exc:  # noqa: BLE001 - unknown model, offline hub id, failed fetch, OOM: shown per column
+            msg = f"cannot load model {model_name!r}: {exc}"
+            logger.warning(msg)
+            return None, None, [ColumnResult.failure(msg) for _ in range(n)]
+        return model, tok, None
+
+    # ---------------------------------------------------------------- long context
+    def longctx(self, model_name, document, upload, question, expected, max_new_tokens, repeats, warmup, n_columns,
+                spec1, spec2, spec3, spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+        """Long context: every column's KV-cache method on the same document + question (streams column by column).
+
+        Yields
+        ------
+        list
+            ``[status, (html, metrics) x 4, ratio plot]``.
+        """
+        n = max(1, min(MAX_COLUMNS, int(n_columns)))
+        specs = [(s or "").strip() for s in (spec1, spec2, spec3, spec4)[:n]]
+        results: list = [None] * n
+        model, tok, failed = self._load(model_name, n, progress)
+        if failed:
+            yield self._outputs("**error**: the model could not be loaded (see the columns).", failed, specs)
+            return
+        try:
+            text = read_upload(upload, self.max_upload_bytes)
+            if text is None:
+                text = document
+            ids = build_prompt(tok, text, question)
+        except (InputError, OSError) as exc:
+            yield self._outputs(f"**error**: {exc}", [ColumnResult.failure(str(exc)) for _ in range(n)], specs)
+            return
+        import mmaccel
+        from mmaccel.longctx import build_method
+
+        short = str(warmup).startswith("short")
+        warm = ids[-min(len(ids), 64):] if short else ids
+        expected = (expected or "").strip() or None
+        src = f"uploaded file {Path(upload).name}" if upload else "the document box"
+        for i, spec in enumerate(specs):
+            progress((i, n), desc=f"column {i + 1}: {spec}")
+            yield self._outputs(f"running column {i + 1} of {n} ({spec}) ...", results, specs, final=False)
+            try:
+                build_method(spec)
+                cmp = mmaccel.compare(model, tok, ids, [spec], max_new_tokens=int(max_new_tokens),
+                                      repeats=int(repeats), warmup=1, warmup_inputs=warm, answer=expected)
+                rec = cmp.records[0]
+            except Exception as exc:  # noqa: BLE001 - bad spec, bad value, anything else: this column only
+                results[i] = ColumnResult.failure(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError)
+                                                  else str(exc))
+                continue
+            results[i] = self._record_result(rec, expected)
+        how = f"on its last {len(warm)} tokens" if short else "on the same input"
+        status = (f"Ran {n} configurations one after another on the same {len(ids)}-token prompt (from {src}), each "
+                  f"after one warm-up run {how}; medians of {int(repeats)} run(s).")
+        yield self._outputs(status, results, specs)
+
+    @staticmethod
+    def _record_result(rec, expected=None, body: str | None = None) -> ColumnResult:
+        if not rec.ok:
+            return ColumnResult(html=error_html(rec.error), rows=[], record=None, error=rec.error)
+        note = ""
+        if expected is not None:
+            ok = rec.extra.get("correct")
+            note = (f'<span style="color:#126b2e">✓ answer {html.escape(expected)} found</span>' if ok else
+                    f'<span style="color:#8a1020">✗ expected {html.escape(expected)}</span>')
+        return ColumnResult(html=body if body is not None else text_html(rec.output_text, note),
+                            rows=record_rows(rec), record=rec)
+
+    def niah_document(self, model_name, length, depth, seed):
+        """Generate a NIAH document for the model's tokenizer: ``(document, question, expected answer)``."""
+        try:
+            _, tok = self.models.get(model_name)
+            return niah_document(tok, int(length), float(depth), int(seed), haystack=self.haystack_tokens(tok))
+        except Exception as exc:
+            raise gr.Error(f"cannot generate a NIAH document: {exc}") from exc
+
+    # ---------------------------------------------------------------- generation
+    def generation(self, model_name, prompt, max_new_tokens, num_draft_tokens, repeats, n_columns, spec1, spec2,
+                   spec3, spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+        """Generation: each column's drafter (or the autoregressive baseline) on the same prompt, greedy; accepted
+        draft tokens are coloured in the output."""
+        n = max(1, min(MAX_COLUMNS, int(n_columns)))
+        specs = [(s or "").strip() for s in (spec1, spec2, spec3, spec4)[:n]]
+        results: list = [None] * n
+        model, tok, failed = self._load(model_name, n, progress)
+        if failed:
+            yield self._outputs("**error**: the model could not be loaded (see the columns).", failed, specs)
+            return
+        try:
+            if not (prompt or "").strip():
+                raise InputError("the prompt is empty")
+            ids = build_prompt(tok, "", prompt)
+        except InputError as exc:
+            yield self._outputs(f"**error**: {exc}", [ColumnResult.failure(str(exc)) for _ in range(n)], specs)
+            return
+        from mmaccel.eval.generation import generate_measured
+
+        for i, spec in enumerate(specs):
+            progress((i, n), desc=f"column {i + 1}: {spec}")
+            yield self._outputs(f"running column {i + 1} of {n} ({spec}) ...", results, specs, final=False)
+            try:
+                if spec.split(":")[0] == AUTOREGRESSIVE:
+                    rec = generate_measured(model, tok, ids, method=None, label=AUTOREGRESSIVE,
+                                            max_new_tokens=int(max_new_tokens), repeats=int(repeats), warmup=1)
+                    rec.method_name = AUTOREGRESSIVE
+                    body = None
+                    if rec.ok:
+                        pieces = token_pieces(tok, rec.output_ids)
+                        body = coloured_html(pieces, [False] * len(pieces))
+                else:
+                    rec, out = measure_speculative(model, tok, ids, spec, max_new_tokens=int(max_new_tokens),
+                                                   num_draft_tokens=int(num_draft_tokens), repeats=int(repeats))
+                    body = None
+                    if rec.ok:
+                        pieces = token_pieces(tok, rec.output_ids)
+                        body = coloured_html(pieces, accepted_mask(len(pieces), out.accepted))
+                results[i] = self._record_result(rec, body=body)
+            except Exception as exc:  # noqa: BLE001 - bad spec etc.: this column only
+                results[i] = ColumnResult.failure(str(exc) if isinstance(exc, ValueError)
+                                                  else f"{type(exc).__name__}: {exc}")
+        same = {r.record.output_text for r in results if r and r.record is not None}
+        status = (f"Ran {n} configurations one after another on the same {len(ids)}-token prompt, greedy, each after "
+                  f"one warm-up run; medians of {int(repeats)} run(s). "
+                  + ("All outputs are identical (greedy speculative decoding is lossless)." if len(same) == 1 else
+                     "Outputs differ between columns." if same else ""))
+        yield self._outputs(status, results, specs)
+
+    # ---------------------------------------------------------------- evaluations
+    def niah_eval(self, model_name, lengths, depths, trials, max_new_tokens, n_columns, spec1, spec2, spec3, spec4,
+                  progress=gr.Progress(track_tqdm=True)):  # noqa: B008 - how Gradio injects progress
+        """Evaluations: a small NIAH sweep per column (:func:`mmaccel.eval.run_niah`), its heatmap and accuracy."""
+        n = max(1, min(MAX_COLUMNS, int(n_columns)))
+        specs = [(s or "").strip() for s in (spec1, spec2, spec3, spec4)[:n]]
+        results: list = [None] * n
+        images: list = [None] * n
+
+        def outputs(status):
+            out = self._outputs(status, results, specs, with_plot=False)
+            return out + [images[i] if i < n else None for i in range(MAX_COLUMNS)]
+
+        try:
+            lens = [int(x) for x in str(lengths).replace(",", " ").split()]
+            deps = [float(x) for x in str(depths).replace(",", " ").split()]
+            if not lens or not deps or int(trials) < 1:
+                raise ValueError("give at least one length, one depth and one trial")
+            if len(lens) * len(deps) * int(trials) > 64:
+                raise ValueError("at most 64 prompts per column in the app; use `mmaccel niah` for a larger sweep")
+        except ValueError as exc:
+            results[:] = [ColumnResult.failure(f"bad sweep: {exc}") for _ in range(n)]
+            yield outputs(f"**error**: {exc}")
+            return
+        model, tok, failed = self._load(model_name, n, progress)
+        if failed:
+            results[:] = failed
+            yield outputs("**error**: the model could not be loaded (see the columns).")
+            return
+        from mmaccel.eval import run_niah
+        from mmaccel.longctx import build_method
+
+        valid = []
+        for i, spec in enumerate(specs):
+            try:
+                build_method(spec)
+                valid.append(spec)
+            except ValueError as exc:
+                results[i] = ColumnResult.failure(str(exc))
+        out_root = Path(tempfile.mkdtemp(prefix="niah-", dir=self.work_dir))
+        labels = list(dict.fromkeys(valid))
+        if labels:
+            yield outputs(f"running the NIAH sweep over {len(labels)} configuration(s) ...")
+            try:
+                res = run_niah(model, tok, labels, lens, deps, int(trials), max_new_tokens=int(max_new_tokens),
+                               out_dir=out_root, progress=True, haystack=self.haystack_tokens(tok))
+            except Exception as exc:  # noqa: BLE001 - a bad sweep (e.g. a length too small): every column says so
+                msg = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                for i, spec in enumerate(specs):
+                    if spec in labels:
+                        results[i] = ColumnResult.failure(msg)
+                yield outputs(f"**error**: {msg}")
+                return
+            for i, spec in enumerate(specs):
+                if spec not in labels:
+                    continue
+                m = res.summary["methods"][spec]
+                rows = [["accuracy (strict)", _round(m.get("accuracy"), 3)],
+                        ["accuracy (contains)", _round(m.get("accuracy_contains"), 3)],
+                        ["runs ok", m.get("n")], ["runs failed", m.get("failed")]]
+                for b in m.get("by_length", []):
+                    rows.append([f"median TTFT (s) @ {b['length']}", _round(b.get("median_ttft_s"))])
+                    rows.append([f"median peak memory (MiB) @ {b['length']}", _mib(b.get("median_peak_memory_bytes"))])
+                    rows.append([f"KV ratio vs full @ {b['length']}", _round(b.get("kv_ratio_prefill"), 3)])
+                acc = m.get("accuracy")
+                results[i] = ColumnResult(html=text_html(f"{spec}: {m.get('n')} runs, strict accuracy "
+                                                         f"{'-' if acc is None else f'{acc:.2f}'}"), rows=rows)
+                images[i] = str(res.heatmaps[spec]) if res.heatmaps.get(spec) else None
+        yield outputs(f"NIAH: {len(lens)} length(s) x {len(deps)} depth(s) x {int(trials)} trial(s), every configuration "
+                      f"run one after another on the same prompts (KV ratios need a `full` column); heatmaps and "
+                      f"results in {out_root}.")
+
+    # ---------------------------------------------------------------- kernels
+    def kernels(self, lengths, cache_lengths, budgets, ops, repeats,
+                progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+        """Kernels: :mod:`mmaccel.kernels.bench` on small sizes; every figure is a speed ratio to dense SDPA."""
+        from mmaccel.kernels import bench
+
+        try:
+            argv = ["--lengths", *str(lengths).replace(",", " ").split(),
+                    "--cache-lengths", *str(cache_lengths).replace(",", " ").split(),
+                    "--budgets", *str(budgets).replace(",", " ").split(),
+                    "--ops", *(ops or ["prefill"]), "--repeats", str(int(repeats)), "--densities", "0.5",
+                    "--column-window", "0"]
+            for group in (lengths, cache_lengths, budgets):
+                if not all(x.isdigit() and int(x) > 0 for x in str(group).replace(",", " ").split()):
+                    raise ValueError(f"sizes must be positive integers, got {group!r}")
+            import torch
+
+            if not torch.cuda.is_available():
+                argv.insert(0, "--cpu")
+            out = Path(tempfile.mkdtemp(prefix="kbench-", dir=self.work_dir)) / "bench.json"
+            progress(0.1, desc="running the kernel micro-benchmark")
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                bench.main([*argv, "--out", str(out)])
+            payload = json.loads(out.read_text())
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - argparse exits on bad input
+            return f'**error**: {exc}', {"headers": ["op", "method", "backend", "length", "ms", "speedup"],
+                                         "data": []}, None
+        recs = payload["records"]
+        rows = [[r["op"], r["method"], r["backend"], r["length"], round(r["ms"], 4), round(r["speedup"], 3)]
+                for r in recs]
+        status = (f"Ran on {payload['device']} ({payload['dtype']}); speedup = dense SDPA time / time, same process, "
+                  f"median of {int(repeats)}.\n\n```\n{buf.getvalue().strip()}\n```")
+        return (status,
+                {"headers": ["op", "method", "backend", "length", "ms", "speedup"], "data": rows},
+                kernel_figure(recs))
+
+
+def kernel_figure(records: list[dict]):
+    """Bar plot of kernel speedups vs dense SDPA, one bar per (op, method, backend, length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if r["backend"] != "sdpa"]  # the baselines themselves are 1.0
+    if not recs:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
+    labels = [f"{r['op']} {r['method']} [{r['backend']}] L={r['length']}" for r in recs]
+    ys = [r["speedup"] for r in recs]
+    bars = ax.barh(range(len(ys)), ys, color=["#4c72b0" if y >= 1 else "#dd8452" for y in ys])
+    ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=7)
+    ax.set_yticks(range(len(ys)), labels, fontsize=7)
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xlabel("speedup vs dense SDPA (higher is faster)", fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def _column_outputs(tab: str, cols: list[MethodColumn], n_cols, image: bool = False) -> tuple[list, list]:
+    """A row of output columns under the configuration columns, aligned with them: per column an ``output`` (HTML),
+    a ``metrics`` table and, with ``image``, a heatmap; shown for the first ``n_cols`` columns.
+
+    Returns
+    -------
+    (outputs, images)
+        ``[html, table] * 4`` and the 4 image components (empty without ``image``).
+    """
+    outs, images, boxes = [], [], []
+    with gr.Row(equal_height=False):
+        for col in cols:
+            with gr.Column(visible=col.index < 2, min_width=260, elem_id=f"{tab}-out{col.index}") as box:
+                out_html = gr.HTML(label="output", elem_id=f"{tab}-col{col.index}-output",
+                                   elem_classes=["mm-column-output"])
+                table = gr.Dataframe(value=metrics_table([]), headers=METRIC_HEADERS, datatype=["str", "number"],
+                                     label=f"metrics, column {col.index + 1}", interactive=False,
+                                     elem_id=f"{tab}-col{col.index}-metrics")
+                if image:
+                    images.append(gr.Image(label="heatmap", type="filepath", elem_id=f"{tab}-col{col.index}-heatmap"))
+            boxes.append(box)
+            col.outputs = [out_html, table]
+            outs += col.outputs
+    n_cols.change(_columns_visibility, n_cols, boxes, queue=False, api_visibility="private")
+    return outs, images
+
+
+def _columns(tab: str, registry, defaults: list[str], extra=None) -> tuple[Any, list[MethodColumn]]:
+    n_cols = gr.Radio([2, 3, 4], value=2, label="columns", elem_id=f"{tab}-ncols")
+    with gr.Row(equal_height=False):
+        cols = [method_column(tab, i, registry, defaults[i], extra=extra) for i in range(MAX_COLUMNS)]
+    n_cols.change(_columns_visibility, n_cols, [c.container for c in cols], queue=False, api_visibility="private")
+    return n_cols, cols
+
+
+def build_app(default_model: str = "smollm2-135m", *, device: str = "auto", max_upload_mb: float = 2.0,
+              niah_length: int = 2048, haystack=None, work_dir=None, models: ModelCache | None = None) -> gr.Blocks:
+    """Build the workbench.
+
+    Parameters
+    ----------
+    default_model : str
+        Model preselected in the picker (tests use ``"micro-lm"``).
+    device : str
+        Where models load (``"auto"``, ``"cpu"``, ``"cuda"``).
+    max_upload_mb : float
+        Size limit of an uploaded document, MiB (checked by the handler; ``--max-upload-mb`` also passes it to
+        Gradio's own upload limit).
+    niah_length : int
+        Default length of a generated NIAH document, tokens.
+    haystack : path, optional
+        A UTF-8 text file for NIAH documents and sweeps (``--haystack``; default the held-out standard-library prose).
+    work_dir : path, optional
+        Temp folder for NIAH and kernel-bench outputs (default: a new folder under the system temp dir).
+    models : ModelCache, optional
+        Share a model cache (e.g. between apps in one process).
+
+    Returns
+    -------
+    gr.Blocks
+        Not launched; measured endpoints share one concurrency-1 queue slot (``concurrency_id="measured"``).
+    """
+    from mmaccel import longctx, speculative
+
+    work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="mmaccel-app-"))
+    work.mkdir(parents=True, exist_ok=True)
+    wb = Workbench(models or ModelCache(device=device), int(max_upload_mb * 2**20), work, haystack=haystack)
+    measured = {"concurrency_limit": 1, "concurrency_id": "measured"}
+
+    with gr.Blocks(title="mmaccel workbench", delete_cache=(3600, 3600)) as demo:
+        gr.Markdown("# mmaccel workbench\nSide-by-side, measured: every method and its parameters come from the "
+                    "registries (`mmaccel.longctx.METHODS`, `mmaccel.speculative.METHODS`, ...).")
+        with gr.Row():
+            model = gr.Dropdown(choices=text_model_choices(), value=default_model, allow_custom_value=True,
+                                label="model (zoo name, local checkpoint directory, or hub id when online)",
+                                elem_id="model", scale=3)
+        gr.Markdown(FAIR_TIMING, elem_id="fair-timing")
+
+        with gr.Tabs():
+            # ------------------------------------------------------------ long context
+            with gr.Tab("Long context", id="longctx", elem_id="tab-longctx"):
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        document = gr.Textbox(label="document", lines=6, max_lines=12, elem_id="lc-document",
+                                              placeholder="paste a document, upload a text file, or generate one")
+                        question = gr.Textbox(label="question", lines=1, elem_id="lc-question")
+                    with gr.Column(scale=2):
+                        upload = gr.File(label=f"or upload a UTF-8 text file (up to {max_upload_mb:g} MiB; kept in "
+                                               "Gradio's temp folder)", type="filepath", elem_id="lc-upload")
+                        with gr.Row():
+                            niah_len = gr.Number(niah_length, label="NIAH length (tokens)", precision=0, minimum=64)
+                            niah_depth = gr.Slider(0, 1, 0.5, step=0.05, label="needle depth")
+                            niah_seed = gr.Number(0, label="seed", precision=0)
+                        gen_doc = gr.Button("Generate a NIAH document", elem_id="lc-gen-doc")
+                        expected = gr.Textbox(label="expected answer (optional; scored when given)",
+                                              elem_id="lc-expected")
+                with gr.Row():
+                    lc_max_new = gr.Number(24, label="max new tokens", precision=0, minimum=1, elem_id="lc-max-new")
+                    lc_repeats = gr.Number(1, label="repeats (median)", precision=0, minimum=1)
+                    lc_warmup = gr.Radio(WARMUPS, value=WARMUPS[0], label="warm-up run per configuration",
+                                         info="the full input is fairer (every code path is warm); a short prompt "
+                                              "halves the time of long documents")
+                lc_ncols, lc_cols = _columns("lc", longctx.METHODS, ["full", "snapkv", "streaming", "h2o"])
+                with gr.Row():
+                    lc_run = gr.Button("Run side by side", variant="primary", elem_id="lc-run")
+                    lc_stop = gr.Button("Stop", elem_id="lc-stop")
+                lc_status = gr.Markdown(elem_id="lc-status")
+                lc_outs, _ = _column_outputs("lc", lc_cols, lc_ncols)
+                lc_plot = gr.Plot(label="ratios to column 1", elem_id="lc-plot")
+                ev = lc_run.click(wb.longctx, [model, document, upload, question, expected, lc_max_new, lc_repeats,
+                                               lc_warmup, lc_ncols, *[c.spec for c in lc_cols]],
+                                  [lc_status, *lc_outs, lc_plot], api_name="longctx", **measured)
+                lc_stop.click(None, cancels=[ev], api_visibility="private")
+                gen_doc.click(wb.niah_document, [model, niah_len, niah_depth, niah_seed],
+                              [document, question, expected], api_name="niah_document", **measured)
+
+            # ------------------------------------------------------------ generation
+            with gr.Tab("Generation", id="generation", elem_id="tab-generation"):
+                gr.Markdown("Greedy decoding with speculative drafters from `mmaccel.speculative.METHODS`. In the "
+                            "output, <span style='" + _ACCEPTED_STYLE + "'>green</span> tokens are draft tokens "
+                            "the target accepted; <span style='" + _TARGET_STYLE + "'>grey</span> tokens came from "
+                            "the target's own verification forward (every token, in the autoregressive column).")
+                prompt = gr.Textbox(label="prompt", lines=3, elem_id="gen-prompt",
+                                    value="The secret number of the cat is 12345. The secret number of the dog is")
+                with gr.Row():
+                    gen_max_new = gr.Number(32, label="max new tokens", precision=0, minimum=1, elem_id="gen-max-new")
+                    gen_k = gr.Number(4, label="draft tokens per step", precision=0, minimum=1)
+                    gen_repeats = gr.Number(1, label="repeats (median)", precision=0, minimum=1)
+                gen_ncols, gen_cols = _columns(
+                    "gen", speculative.METHODS, [AUTOREGRESSIVE, "prompt_lookup", "draft", "jacobi"],
+                    extra={AUTOREGRESSIVE: "Plain greedy decoding (model.generate): the baseline."})
+                with gr.Row():
+                    gen_run = gr.Button("Run side by side", variant="primary", elem_id="gen-run")
+                    gen_stop = gr.Button("Stop", elem_id="gen-stop")
+                gen_status = gr.Markdown(elem_id="gen-status")
+                gen_outs, _ = _column_outputs("gen", gen_cols, gen_ncols)
+                gen_plot = gr.Plot(label="ratios to column 1", elem_id="gen-plot")
+                ev = gen_run.click(wb.generation, [model, prompt, gen_max_new, gen_k, gen_repeats, gen_ncols,
+                                                   *[c.spec for c in gen_cols]],
+                                   [gen_status, *gen_outs, gen_plot], api_name="generation", **measured)
+                gen_stop.click(None, cancels=[ev], api_visibility="private")
+
+            # ------------------------------------------------------------ evaluations
+            with gr.Tab("Evaluations", id="evaluations", elem_id="tab-evaluations"):
+                gr.Markdown("A small needle-in-a-haystack sweep per column (`mmaccel.eval.run_niah`); for real sweeps "
+                            "use `mmaccel niah` (it writes the same heatmaps).")
+                with gr.Row():
+                    ev_lengths = gr.Textbox("512 1024", label="lengths (tokens)", elem_id="ev-lengths")
+                    ev_depths = gr.Textbox("0 0.5 1", label="depths", elem_id="ev-depths")
+                    ev_trials = gr.Number(1, label="trials", precision=0, minimum=1)
+                    ev_max_new = gr.Number(12, label="max new tokens", precision=0, minimum=1, elem_id="ev-max-new")
+                ev_ncols, ev_cols = _columns("ev", longctx.METHODS, ["full", "snapkv", "streaming", "h2o"])
+                with gr.Row():
+                    ev_run = gr.Button("Run NIAH", variant="primary", elem_id="ev-run")
+                    ev_stop = gr.Button("Stop", elem_id="ev-stop")
+                ev_status = gr.Markdown(elem_id="ev-status")
+                ev_outs, ev_imgs = _column_outputs("ev", ev_cols, ev_ncols, image=True)
+                ev = ev_run.click(wb.niah_eval, [model, ev_lengths, ev_depths, ev_trials, ev_max_new, ev_ncols,
+                                                 *[c.spec for c in ev_cols]],
+                                  [ev_status, *ev_outs, *ev_imgs], api_name="niah_eval", **measured)
+                ev_stop.click(None, cancels=[ev], api_visibility="private")
+
+            # ------------------------------------------------------------ kernels
+            with gr.Tab("Kernels", id="kernels", elem_id="tab-kernels"):
+                gr.Markdown("The attention-kernel micro-benchmark (`mmaccel.kernels.bench`, also `mmaccel "
+                            "kernel-bench`): sparse prefill patterns and budgeted decode, as speed ratios to dense "
+                            "SDPA measured in the same process.")
+                with gr.Row():
+                    kb_lengths = gr.Textbox("1024 2048", label="prefill lengths", elem_id="kb-lengths")
+                    kb_cache = gr.Textbox("2048", label="decode cache lengths", elem_id="kb-cache")
+                    kb_budgets = gr.Textbox("256", label="decode budgets", elem_id="kb-budgets")
+                    kb_ops = gr.CheckboxGroup(["prefill", "decode"], value=["prefill", "decode"], label="ops")
+                    kb_repeats = gr.Number(3, label="repeats", precision=0, minimum=1, elem_id="kb-repeats")
+                kb_run = gr.Button("Run the micro-benchmark", variant="primary", elem_id="kb-run")
+                kb_status = gr.Markdown(elem_id="kb-status")
+                kb_table = gr.Dataframe(label="records", interactive=False, elem_id="kb-table")
+                kb_plot = gr.Plot(label="speedup vs SDPA", elem_id="kb-plot")
+                kb_run.click(wb.kernels, [kb_lengths, kb_cache, kb_budgets, kb_ops, kb_repeats],
+                             [kb_status, kb_table, kb_plot], api_name="kernels", **measured)
+
+            # ------------------------------------------------------------ image & video
+            with gr.Tab("Image & video", id="vision", elem_id="tab-vision"):
+                gr.Markdown(vision_placeholder(), elem_id="vision-placeholder")
+    return demo
+
+
+def vision_placeholder() -> str:
+    """The Image & video tab's text: what ``mmaccel.vision_tokens.METHODS`` holds so far."""
+    try:
+        from mmaccel.vision_tokens import METHODS
+    except Exception as exc:  # noqa: BLE001 - the module is being built
+        return f"**Image & video QA: coming.** `mmaccel.vision_tokens` cannot be imported yet ({exc})."
+    if not METHODS:
+        return ("**Image & video QA: coming.** `mmaccel.vision_tokens.METHODS` is empty so far; the tab will list "
+                "the visual-token methods and their generated forms as they are registered.")
+    items = "\n".join(f"- `{name}`: {forms.summary(cls)[:160]}" for name, cls in METHODS.items())
+    return ("**Image & video QA: coming.** Visual-token methods registered so far in "
+            f"`mmaccel.vision_tokens.METHODS` (the tab will generate their forms the same way):\n\n{items}")
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m apps.workbench`` flags."""
+    p = argparse.ArgumentParser(prog="python -m apps.workbench", description="The mmaccel Gradio workbench.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
+    p.add_argument("--model", default="smollm2-135m", help="model preselected in the picker")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-upload-mb", type=float, default=2.0, help="size limit of an uploaded document, MiB")
+    p.add_argument("--haystack", help="UTF-8 text file used as the NIAH haystack (default: held-out stdlib prose)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Launch the workbench (blocks until interrupted)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.haystack and not Path(args.haystack).is_file():
+        build_parser().error(f"--haystack {args.haystack}: no such file")
+    demo = build_app(args.model, device=args.device, max_upload_mb=args.max_upload_mb, haystack=args.haystack)
+    demo.queue(default_concurrency_limit=1)
+    # Gradio's own limit is a backstop against huge uploads filling the temp folder; files between the two limits
+    # reach the handler, which reports them in the columns.
+    limit = int(args.max_upload_mb * 2**20)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share,
+                max_file_size=max(2 * limit, limit + 2**20))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

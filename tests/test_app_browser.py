@@ -1,0 +1,135 @@
+"""The workbench in a real browser: Debian's chromium driven by Playwright (never `playwright install`).
+
+Loads the page, runs a two-column comparison in the Long context, Generation, Evaluations and Kernels tabs, checks
+that outputs, metrics tables and plots appear, and saves screenshots under runs/screenshots/.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
+pytest.importorskip("playwright", reason="the browser test needs `pip install playwright` (no `playwright install`)")
+if not Path(CHROMIUM).exists():
+    pytest.skip("the browser test needs Debian's chromium: apt-get install -y chromium", allow_module_level=True)
+
+from playwright.sync_api import expect, sync_playwright
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from apps.workbench import build_app
+
+SHOTS = ROOT / "runs" / "screenshots"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 60_000
+expect.set_options(timeout=TIMEOUT_MS)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    """A chromium page on the workbench (micro-lm, a small NIAH haystack)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    tmp = tmp_path_factory.mktemp("browser")
+    hay = tmp / "hay.txt"
+    hay.write_text(re.sub(r"\d", "", " ".join(" ".join(m.__doc__ for m in (argparse, inspect, re)).split())))
+    demo = build_app("micro-lm", device="cpu", niah_length=384, haystack=hay, work_dir=tmp / "work")
+    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(TIMEOUT_MS)
+            pg.goto(demo.local_url)
+            expect(pg.locator("#lc-run")).to_be_visible()
+            yield pg
+            browser.close()
+    finally:
+        demo.close()
+        mp.undo()
+
+
+def fill(page, elem_id: str, text: str) -> None:
+    box = page.locator(f"#{elem_id} textarea, #{elem_id} input").first
+    box.fill(text)
+    box.press("Tab")  # commits the value: Gradio fires .change
+
+
+def expect_column(page, tab: str, i: int) -> None:
+    expect(page.locator(f"#{tab}-col{i}-output .mm-output")).to_be_visible()
+    table = page.locator(f"#{tab}-col{i}-metrics")
+    expect(table).to_contain_text("TTFT (s)")
+    expect(table).to_contain_text("tokens/s")
+    assert re.search(r"\d+\.\d+", table.inner_text())
+
+
+def test_long_context_two_columns(page):
+    page.get_by_role("tab", name="Long context").click()
+    expect(page.locator("#fair-timing")).to_contain_text("concurrency 1")
+    page.locator("#lc-gen-doc").click()
+    expect(page.locator("#lc-expected input, #lc-expected textarea").first).to_have_value(re.compile(r"^\d{5}$"))
+    # the generated form: setting column 2's budget recomposes its spec
+    fill(page, "lc-max-new", "8")
+    fill(page, "lc-col1-snapkv-budget", "96")
+    expect(page.locator("#lc-col1-spec textarea, #lc-col1-spec input").first).to_have_value("snapkv:budget=96")
+    page.locator("#lc-run").click()
+    expect(page.locator("#lc-status")).to_contain_text("one after another")
+    for i in range(2):
+        expect_column(page, "lc", i)
+    expect(page.locator("#lc-plot img, #lc-plot svg, #lc-plot canvas").first).to_be_visible()
+    page.locator("#lc-plot").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "longctx.png"), full_page=True)
+
+
+def test_generation_two_columns_coloured(page):
+    page.get_by_role("tab", name="Generation").click()
+    fill(page, "gen-max-new", "24")
+    page.locator("#gen-run").click()
+    expect(page.locator("#gen-status")).to_contain_text("one after another")
+    for i in range(2):
+        expect_column(page, "gen", i)
+    expect(page.locator("#gen-col1-output .mm-accepted").first).to_be_visible()  # prompt lookup's accepted drafts
+    expect(page.locator("#gen-plot img, #gen-plot svg, #gen-plot canvas").first).to_be_visible()
+    page.screenshot(path=str(SHOTS / "generation.png"), full_page=True)
+
+
+def test_evaluations_two_columns(page):
+    page.get_by_role("tab", name="Evaluations").click()
+    fill(page, "ev-lengths", "256")
+    fill(page, "ev-depths", "0 1")
+    fill(page, "ev-max-new", "6")
+    fill(page, "ev-col1-snapkv-budget", "64")
+    page.locator("#ev-run").click()
+    expect(page.locator("#ev-status")).to_contain_text("NIAH:")
+    for i in range(2):
+        expect(page.locator(f"#ev-col{i}-heatmap img")).to_be_visible()
+        expect(page.locator(f"#ev-col{i}-metrics")).to_contain_text("accuracy (strict)")
+    page.screenshot(path=str(SHOTS / "evaluations.png"), full_page=True)
+
+
+def test_kernels_and_vision_placeholder(page):
+    page.get_by_role("tab", name="Kernels").click()
+    fill(page, "kb-lengths", "128")
+    fill(page, "kb-cache", "256")
+    fill(page, "kb-budgets", "32")
+    fill(page, "kb-repeats", "1")
+    page.locator("#kb-run").click()
+    expect(page.locator("#kb-status")).to_contain_text("speedup")
+    expect(page.locator("#kb-plot img, #kb-plot svg, #kb-plot canvas").first).to_be_visible()
+    page.screenshot(path=str(SHOTS / "kernels.png"), full_page=True)
+    page.get_by_role("tab", name="Image & video").click()
+    expect(page.locator("#vision-placeholder")).to_contain_text("Image & video QA")
+    expect(page.locator("#vision-placeholder")).to_contain_text("vision_tokens")
