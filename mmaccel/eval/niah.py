@@ -283,7 +283,8 @@ def safe_label(label: str) -> str:
 
 
 def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str, path) -> Path:
-    """Draw accuracy over length (x) x depth (y) as a PNG, each cell annotated; failed-only cells are grey.
+    """Draw accuracy over length (x) x depth (y) as a PNG, each cell annotated; cells whose runs all failed, or that
+    were not run (a merged sweep), are grey and say so.
 
     Parameters
     ----------
@@ -311,7 +312,10 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for c in cells:
         y, x = list(depths).index(c["depth"]), list(lengths).index(c["length"])
-        text = "failed" if c["accuracy"] is None else f"{c['accuracy']:.2f}"
+        if c["accuracy"] is not None:
+            text = f"{c['accuracy']:.2f}"
+        else:
+            text = "failed" if c.get("failed") else "not run"
         ax.text(x, y, text, ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])

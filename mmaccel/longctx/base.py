@@ -691,7 +691,7 @@ def _full_budget_warning(layers) -> list[str]:
         return []
     budget = min(t for t, _ in targets)
     message = f"budget {budget} >= context {targets[0][1]} tokens: ran as full attention"
-    logger.warning(message)
+    logger.info(message)  # the record carries it in telemetry["warnings"]
     return [message]
 
 
