@@ -303,57 +303,11 @@ def text_html(text: str, note: str = "") -> str:
 
 
 # -------------------------------------------------------------------------------------------------- measurement
-def measure_speculative(model, tokenizer, input_ids: list[int], spec: str, *, max_new_tokens: int,
-                        num_draft_tokens: int, repeats: int = 1, warmup: int = 1):
-    """Greedy speculative decoding with the drafter ``spec``, measured like
-    :func:`~mmaccel.eval.generation.generate_measured`: a :class:`RunRecord` (medians over ``repeats`` after
-    ``warmup`` runs) plus the last :class:`~mmaccel.speculative.SpeculativeOutput` (for the accepted-token colours).
+def with_draft_length(spec: str, num_draft_tokens: int) -> str:
+    """``spec`` with ``k=num_draft_tokens`` appended unless the spec sets its own draft length."""
+    from mmaccel.specs import parse_method_spec
 
-    TTFT is the engine's ``first_token_seconds`` (prefill + first verification); decode time is the rest of the call.
-    A run that raises gives a ``status="failed"`` record.
-    """
-    import torch
-
-    from mmaccel.eval.generation import RunRecord, load_average, median_or_none
-    from mmaccel.eval.memory import PeakMemory
-    from mmaccel.speculative import build_drafter, speculative_generate
-
-    drafter = build_drafter(spec)
-    device = getattr(model, "device", torch.device("cpu"))
-    ids = torch.tensor([input_ids], device=device)
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    rec = RunRecord(method=spec, method_name=getattr(drafter, "name", spec.split(":")[0]), prompt_tokens=len(input_ids),
-                    repeats=repeats, warmup=warmup, device=str(device), threads=torch.get_num_threads(),
-                    dtype=str(next(model.parameters()).dtype))
-    runs, out = [], None
-    try:
-        with torch.inference_mode():
-            for i in range(warmup + repeats):
-                if i == warmup:
-                    rec.load_avg_1m = load_average()
-                with PeakMemory(device) as mem:
-                    out = speculative_generate(model, ids, drafter, max_new_tokens=max_new_tokens,
-                                               num_draft_tokens=num_draft_tokens, eos_token_id=eos)
-                if i >= warmup:
-                    decode = out.total_seconds - out.first_token_seconds
-                    runs.append({"ttft_s": out.first_token_seconds, "decode_s": decode,
-                                 "tokens_per_s": (out.new_tokens - 1) / decode if decode > 0 else None,
-                                 "peak_memory_bytes": mem.peak})
-                rec.peak_memory_method = mem.method
-    except Exception as exc:  # noqa: BLE001 - a failed run is shown in its column
-        rec.status, rec.error = "failed", f"{type(exc).__name__}: {exc}"
-        return rec, None
-    new_ids = [int(t) for t in out.sequences[0, out.prompt_length:].tolist()]
-    rec.output_ids, rec.new_tokens = new_ids, out.new_tokens
-    rec.output_text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    rec.samples = runs
-    for k in ("ttft_s", "decode_s", "tokens_per_s", "peak_memory_bytes"):
-        setattr(rec, k, median_or_none([r[k] for r in runs]))
-    rec.kv_cache_bytes_final = out.kv_cache_bytes
-    rec.telemetry = out.telemetry()
-    return rec, out
+    return spec if "k" in parse_method_spec(spec).kwargs else f"{spec}:k={int(num_draft_tokens)}"
 
 
 # ------------------------------------------------------------------------------------------------- column forms
@@ -628,12 +582,13 @@ class Workbench:
                         pieces = token_pieces(tok, rec.output_ids)
                         body = coloured_html(pieces, [False] * len(pieces))
                 else:
-                    rec, out = measure_speculative(model, tok, ids, spec, max_new_tokens=int(max_new_tokens),
-                                                   num_draft_tokens=int(num_draft_tokens), repeats=int(repeats))
+                    rec = generate_measured(model, tok, ids, method=with_draft_length(spec, num_draft_tokens),
+                                            label=spec, max_new_tokens=int(max_new_tokens), repeats=int(repeats),
+                                            warmup=1)
                     body = None
                     if rec.ok:
                         pieces = token_pieces(tok, rec.output_ids)
-                        body = coloured_html(pieces, accepted_mask(len(pieces), out.accepted))
+                        body = coloured_html(pieces, accepted_mask(len(pieces), rec.telemetry.get("accepted", [])))
                 results[i] = self._record_result(rec, body=body)
             except Exception as exc:  # noqa: BLE001 - bad spec etc.: this column only
                 results[i] = ColumnResult.failure(str(exc) if isinstance(exc, ValueError)

@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run several methods on one input and print a side-by-side table")
     p.add_argument("--task", choices=["niah"], default="niah", help="input to build (default niah)")
     _add_model_args(p)
-    _add_run_args(p, ["full", "snapkv:budget=1024", "streaming:window=1024"], max_new_tokens=32)
+    from .eval.compare import DEFAULT_METHODS
+
+    _add_run_args(p, list(DEFAULT_METHODS), max_new_tokens=32)
     p.add_argument("--length", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
     p.add_argument("--depth", type=_depth, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     p.add_argument("--out", default="runs/compare", help="output folder for compare.json (default runs/compare)")

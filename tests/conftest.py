@@ -27,3 +27,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random Llama of ``test_eval`` and its BPE tokenizer, saved as a local HF checkpoint folder."""
+    from test_eval import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

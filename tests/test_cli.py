@@ -5,20 +5,11 @@ import sys
 import types
 
 import pytest
-from test_eval import tiny_model_and_tokenizer
 
 import mmaccel
 from mmaccel.cli import main
 from mmaccel.models import FETCHED, list_models
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    model, tok = tiny_model_and_tokenizer()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def _run(capsys, *argv):

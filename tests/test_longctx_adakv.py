@@ -2,7 +2,7 @@
 decode logits after a real ragged compression against an independent per-KV-head masked reference."""
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import random_prompt, tiny_llama
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -19,8 +19,6 @@ def sdpa():
     return tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=D, attn="sdpa")
 
 
-def _prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_allocation_hand_computed():
@@ -37,7 +35,7 @@ def test_allocation_hand_computed():
 
 
 def test_unbounded_budget_is_token_identical_to_full_and_warns(sdpa):
-    ids = _prompt(40, seed=2)
+    ids = random_prompt(40, seed=2)
     plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
     method = build_method("adakv:method=snapkv,budget=1000")
     with method.make_cache(sdpa) as cache:
@@ -61,7 +59,7 @@ def test_decode_logits_after_real_ragged_compression_match_a_per_head_masked_ref
     """Prefill 40 tokens, compress to 12 slots per KV head on average, 6 decode steps; record the valid positions of
     every layer and KV head before each step; one dense forward with exactly those per-KV-head masks matches."""
     prompt, steps = 40, 6
-    ids = _prompt(prompt + steps, seed=3)
+    ids = random_prompt(prompt + steps, seed=3)
     method = build_method(f"adakv:method={inner}:alpha=0.2")
     held, logits = [], []
     with method.make_cache(sdpa) as cache:
@@ -98,7 +96,7 @@ def test_decode_logits_after_real_ragged_compression_match_a_per_head_masked_ref
 def test_padding_is_counted_as_held_memory(sdpa):
     method = AdaKV(SnapKV(budget=12, window=4), alpha=0.0)
     with method.make_cache(sdpa) as cache:
-        sdpa(_prompt(40, seed=3), past_key_values=cache, use_cache=True)
+        sdpa(random_prompt(40, seed=3), past_key_values=cache, use_cache=True)
         layer = cache.layers[0]
         assert isinstance(layer, RaggedLayer)
         width = layer.keys.shape[2]
@@ -129,6 +127,6 @@ def test_registered_round_trips_and_refuses_padding(sdpa):
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="padded batch"):
-        sdpa.generate(_prompt(20, batch=2), attention_mask=mask, max_new_tokens=2, do_sample=False,
+        sdpa.generate(random_prompt(20, batch=2), attention_mask=mask, max_new_tokens=2, do_sample=False,
                       past_key_values=build_method("adakv:method=snapkv,budget=8,window=4").make_cache(sdpa))
     assert sdpa.model.layers[0].self_attn.config is sdpa.config

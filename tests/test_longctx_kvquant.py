@@ -3,7 +3,7 @@ stated tolerance, attention over a real quantized layer against a hand-written d
 composition with prefill-time eviction."""
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import random_prompt, tiny_llama
 
 from mmaccel.longctx import METHODS, KVQuant, build_method, kv_cache_bytes
 from mmaccel.longctx.kvquant import QuantizedLayer, dequantize, pack, quantize, unpack
@@ -18,8 +18,6 @@ def sdpa():
     return tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=D, attn="sdpa")
 
 
-def _prompt(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _run(model, spec, ids, new=8):
@@ -91,7 +89,7 @@ def test_attention_over_a_quantized_layer_matches_a_hand_dequantized_reference()
 
 
 def test_bits16_is_a_bit_exact_passthrough_alone_and_under_eviction(sdpa):
-    ids = _prompt(80)
+    ids = random_prompt(80)
     seq, logits, _, _ = _run(sdpa, "full", ids)
     got, got_logits, telemetry, _ = _run(sdpa, "kvquant:bits=16", ids)
     assert torch.equal(got, seq) and torch.equal(got_logits, logits) and telemetry["quantized_tokens_per_layer"] == [0, 0]
@@ -104,7 +102,7 @@ def test_bits16_is_a_bit_exact_passthrough_alone_and_under_eviction(sdpa):
 # Measured on this tiny random model (80-token prompt, 8 new tokens): int8 max |dlogit| ~2e-4, int4 ~5e-3.
 @pytest.mark.parametrize("bits, tolerance", [(8, 1e-3), (4, 2e-2)])
 def test_int8_and_int4_logits_stay_close_to_full_and_bytes_are_real(bits, tolerance, sdpa):
-    ids = _prompt(80)
+    ids = random_prompt(80)
     seq, logits, _, _ = _run(sdpa, "full", ids)
     got, got_logits, telemetry, cache = _run(sdpa, f"kvquant:bits={bits}:group=16:residual=8", ids)
     assert (got_logits - logits).abs().max() < tolerance and torch.equal(got, seq)
@@ -118,7 +116,7 @@ def test_int8_and_int4_logits_stay_close_to_full_and_bytes_are_real(bits, tolera
 
 
 def test_eviction_then_quantization_keeps_the_same_slots(sdpa):
-    ids = _prompt(80, seed=4)
+    ids = random_prompt(80, seed=4)
     _, snap_logits, _, snap_cache = _run(sdpa, "snapkv:budget=40:window=4", ids)
     _, got_logits, telemetry, cache = _run(sdpa, "kvquant:bits=8:group=8:residual=8:method=snapkv,budget=40,window=4",
                                           ids)
@@ -145,7 +143,7 @@ def test_registered_round_trips_and_chunked_prefill_rules(sdpa):
     for spec in ["kvquant:bits=4", "kvquant:bits=8:key_axis=token:value_axis=channel:method=snapkv,budget=64"]:
         method = build_method(spec)
         assert build_method(method.spec) == method
-    ids = _prompt(80, seed=5)
+    ids = random_prompt(80, seed=5)
     seq, _, _, _ = _run(sdpa, "kvquant:bits=8:group=8:residual=8", ids)
     method = build_method("kvquant:bits=8:group=8:residual=8")
     with method.make_cache(sdpa) as cache:  # without eviction, prefill chunks are fine

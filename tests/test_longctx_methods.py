@@ -2,7 +2,7 @@
 after a real compression against an independent per-head masked reference."""
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import random_prompt, tiny_llama
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -54,8 +54,6 @@ def eager():
     return tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=HEAD_DIM, attn="eager")
 
 
-def _prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_every_method_is_registered_and_round_trips_its_spec():
@@ -68,7 +66,7 @@ def test_every_method_is_registered_and_round_trips_its_spec():
 # ------------------------------------------------------------------------------------- equivalence when unbounded
 @pytest.mark.parametrize("name", sorted(UNBOUNDED))
 def test_unbounded_budget_is_token_identical_to_full_and_warns(name, sdpa):
-    ids = _prompt(40, seed=2)
+    ids = random_prompt(40, seed=2)
     plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
     method = build_method(UNBOUNDED[name])
     with method.make_cache(sdpa) as cache:
@@ -82,7 +80,7 @@ def test_unbounded_budget_is_token_identical_to_full_and_warns(name, sdpa):
 def test_compressing_budget_evicts_and_does_not_warn(name, sdpa):
     method = build_method(COMPRESSING[name])
     with method.make_cache(sdpa) as cache:
-        sdpa.generate(_prompt(40, seed=2), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        sdpa.generate(random_prompt(40, seed=2), past_key_values=cache, max_new_tokens=4, do_sample=False)
         telemetry = method.telemetry(cache)
     assert telemetry["evicted_tokens"] > 0 and telemetry["warnings"] == []
     assert telemetry["kv_cache_bytes"] == kv_cache_bytes(cache) < LAYERS * 2 * HKV * 43 * HEAD_DIM * 4
@@ -106,7 +104,7 @@ def test_decode_logits_after_real_compression_match_a_per_head_masked_reference(
     before each step; then one forward of the whole sequence through an independent attention function that lets
     decode row t see exactly those positions (+ itself) per KV head, and prompt rows everything causal."""
     prompt, steps = 40, 6
-    ids = _prompt(prompt + steps, seed=3)
+    ids = random_prompt(prompt + steps, seed=3)
     method = build_method(COMPRESSING[name])
     held = []  # per decode step: per layer [B, Hkv, S] positions
     logits = []
@@ -136,7 +134,7 @@ def test_decode_logits_after_real_compression_match_a_per_head_masked_reference(
 
 # ---------------------------------------------------------------------------------- selections, hand-computed
 def test_knorm_keeps_the_smallest_key_norms(sdpa):
-    ids = _prompt(20, seed=4)
+    ids = random_prompt(20, seed=4)
     full = DynamicCache(config=sdpa.config)
     sdpa(ids, past_key_values=full, use_cache=True)
     with KNorm(budget=5).make_cache(sdpa) as cache:
@@ -148,7 +146,7 @@ def test_knorm_keeps_the_smallest_key_norms(sdpa):
 
 
 def test_tova_keeps_what_the_last_query_attends_to_head_averaged(eager):
-    ids = _prompt(24, seed=5)
+    ids = random_prompt(24, seed=5)
     attentions = eager(ids, output_attentions=True).attentions
     with TOVA(budget=7).make_cache(eager) as cache:
         eager(ids, past_key_values=cache, use_cache=True)
@@ -162,7 +160,7 @@ def test_h2o_accumulates_attention_and_evicts_at_every_decode_step(eager):
     """Prefill: accumulated = column sums of the model's own eager attention (GQA-mean); kept = the last `recent`
     slots + the heaviest others. Decode: each step adds the new token's attention and drops the lightest one."""
     budget, recent, length = 9, 3, 24
-    ids = _prompt(length + 1, seed=6)
+    ids = random_prompt(length + 1, seed=6)
     attentions = eager(ids[:, :length], output_attentions=True).attentions
     cache = H2O(budget=budget, recent=recent).make_cache(eager)
     eager(ids[:, :length], past_key_values=cache, use_cache=True)
@@ -194,12 +192,12 @@ def test_pyramid_budgets_hand_computed_and_applied_per_layer(sdpa):
     assert pyramid_budgets(100, 4, 4, 20) == [192, 131, 70, 9]
     assert pyramid_budgets(12, 2, 4, 20) == [20, 4]
     with PyramidKV(budget=12, window=4).make_cache(sdpa) as cache:
-        sdpa(_prompt(40, seed=7), past_key_values=cache, use_cache=True)
+        sdpa(random_prompt(40, seed=7), past_key_values=cache, use_cache=True)
     assert [layer.held for layer in cache.layers] == [20, 4]
     # each layer's kept slots are SnapKV's top-k at that layer's budget
     for layer_idx, budget in enumerate([20, 4]):
         with SnapKV(budget=budget, window=4).make_cache(sdpa) as ref:
-            sdpa(_prompt(40, seed=7), past_key_values=ref, use_cache=True)
+            sdpa(random_prompt(40, seed=7), past_key_values=ref, use_cache=True)
         assert torch.equal(cache.layers[layer_idx].positions, ref.layers[layer_idx].positions)
 
 
@@ -208,7 +206,7 @@ def test_pyramid_budgets_hand_computed_and_applied_per_layer(sdpa):
                                         ("streaming:ratio=0.25:sink=2", 10), ("h2o:ratio=0.5:recent=4", 20)])
 def test_ratio_budget_keeps_that_fraction_of_the_prompt(spec, kept, sdpa):
     with build_method(spec).make_cache(sdpa) as cache:
-        sdpa(_prompt(40, seed=8), past_key_values=cache, use_cache=True)
+        sdpa(random_prompt(40, seed=8), past_key_values=cache, use_cache=True)
     assert [layer.held for layer in cache.layers] == [kept] * LAYERS
 
 
@@ -235,14 +233,14 @@ def test_bad_arguments_are_one_clear_error(spec, message):
 def test_a_ratio_below_the_window_fails_clearly_and_detaches(sdpa):
     cache = build_method("snapkv:ratio=0.05:window=8").make_cache(sdpa)
     with pytest.raises(ValueError, match="fewer than the 8"):
-        sdpa(_prompt(40), past_key_values=cache, use_cache=True)
+        sdpa(random_prompt(40), past_key_values=cache, use_cache=True)
     assert cache.hooks_attached == 0
 
 
 # ---------------------------------------------------------------------------------------------- padding and masks
 @pytest.mark.parametrize("name", sorted(COMPRESSING))
 def test_every_evicting_method_refuses_a_left_padded_batch(name, sdpa):
-    ids = _prompt(24, seed=9, batch=2)
+    ids = random_prompt(24, seed=9, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     cache = build_method(COMPRESSING[name]).make_cache(sdpa)
@@ -253,7 +251,7 @@ def test_every_evicting_method_refuses_a_left_padded_batch(name, sdpa):
 
 @pytest.mark.parametrize("name", sorted(COMPRESSING))
 def test_every_method_runs_an_unpadded_batch_row_by_row(name, sdpa):
-    ids = _prompt(30, seed=10, batch=2)
+    ids = random_prompt(30, seed=10, batch=2)
     method = build_method(COMPRESSING[name])
     with method.make_cache(sdpa) as cache:
         sdpa(ids, past_key_values=cache, use_cache=True)
@@ -303,7 +301,7 @@ def test_a_model_error_after_the_first_layer_leaves_no_hooks(sdpa):
     handle = sdpa.model.layers[1].mlp.register_forward_pre_hook(boom)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            sdpa(_prompt(20), past_key_values=cache, use_cache=True)
+            sdpa(random_prompt(20), past_key_values=cache, use_cache=True)
     finally:
         handle.remove()
     assert cache.hooks_attached == 0 and len(sdpa.model.layers[0].self_attn._forward_hooks) == 0
@@ -313,13 +311,13 @@ def test_a_model_error_after_the_first_layer_leaves_no_hooks(sdpa):
 def test_kv_bytes_and_bookkeeping_bytes_are_reported_apart(sdpa):
     method = SnapKV(budget=8, window=2)
     with method.make_cache(sdpa) as cache:
-        sdpa(_prompt(20), past_key_values=cache, use_cache=True)
+        sdpa(random_prompt(20), past_key_values=cache, use_cache=True)
     assert kv_cache_bytes(cache) == LAYERS * 2 * HKV * 8 * HEAD_DIM * 4
     assert bookkeeping_bytes(cache) == LAYERS * HKV * 8 * 8  # int64 positions
     tel = method.telemetry(cache)
     assert (tel["kv_cache_bytes"], tel["bookkeeping_bytes"]) == (kv_cache_bytes(cache), bookkeeping_bytes(cache))
     with H2O(budget=8, recent=2).make_cache(sdpa) as h2o:
-        sdpa(_prompt(20), past_key_values=h2o, use_cache=True)
+        sdpa(random_prompt(20), past_key_values=h2o, use_cache=True)
     assert bookkeeping_bytes(h2o) == LAYERS * HKV * 8 * (8 + 4)  # positions + float32 accumulated attention
     assert bookkeeping_bytes(DynamicCache(config=sdpa.config)) == 0
 
@@ -342,7 +340,7 @@ def test_sliding_window_layer_counts_the_storage_it_keeps_alive():
 
 # ---------------------------------------------------------------------------------------------------- chunked prefill
 def test_chunked_full_is_token_identical_and_splits_the_prompt(sdpa):
-    ids = _prompt(40, seed=11)
+    ids = random_prompt(40, seed=11)
     plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
     lengths = []
     handle = sdpa.model.register_forward_pre_hook(
@@ -363,7 +361,7 @@ def test_chunked_snapkv_window_is_the_current_chunks_last_queries(sdpa):
     """Chunk 1 (tokens 0..19) is compressed exactly as SnapKV on those 20 tokens alone (its window = tokens 16..19);
     chunk 2 then chooses among chunk 1's survivors plus itself, with the prompt's last 4 tokens as the window. And
     generate(prefill_chunk_size=20) does the same as the wrapper."""
-    ids = _prompt(40, seed=12)
+    ids = random_prompt(40, seed=12)
     inner = SnapKV(budget=8, window=4)
     with inner.make_cache(sdpa) as first:
         sdpa(ids[:, :20], past_key_values=first, use_cache=True)
@@ -396,7 +394,7 @@ def test_chunked_refuses_a_method_that_cannot_run_chunked():
 def test_chunked_refuses_a_custom_4d_mask(sdpa):
     cache = Chunked("full", chunk=8).make_cache(sdpa)
     with pytest.raises(ValueError, match="2-D"):
-        sdpa(_prompt(20), attention_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), past_key_values=cache)
+        sdpa(random_prompt(20), attention_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), past_key_values=cache)
 
 
 def test_streaming_ratio_and_window_are_exclusive():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import random_prompt, tiny_llama
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -21,8 +21,6 @@ def sdpa():
     return tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=D, attn="sdpa")
 
 
-def _prompt(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_page_bounds_scores_and_selection_hand_computed():
@@ -54,7 +52,7 @@ def test_page_bounds_stay_right_as_tokens_arrive_one_by_one():
 
 @pytest.mark.parametrize("spec", ["quest:budget=1000", "quest:ratio=1.0:page_size=4"])
 def test_budget_covering_the_context_is_token_identical_to_full_and_warns(spec, sdpa):
-    ids = _prompt(40, seed=2)
+    ids = random_prompt(40, seed=2)
     plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
     method = build_method(spec)
     with method.make_cache(sdpa) as cache:
@@ -77,7 +75,7 @@ def test_decode_logits_after_real_page_selection_match_a_per_head_masked_referen
     and KV head read; one forward of the whole sequence through dense attention that lets decode row t see exactly
     those pages' tokens (causal) reproduces the logits; full attention does not."""
     prompt, steps, page = 40, 6, 4
-    ids = _prompt(prompt + steps, seed=3)
+    ids = random_prompt(prompt + steps, seed=3)
     method = Quest(budget=8, page_size=page)
     logits, read = [], []
     with method.make_cache(sdpa) as cache:
@@ -113,7 +111,7 @@ def test_decode_logits_after_real_page_selection_match_a_per_head_masked_referen
 def test_ratio_reads_that_fraction_of_the_context(sdpa):
     method = build_method("quest:ratio=0.25:page_size=4")
     with method.make_cache(sdpa) as cache:
-        sdpa.generate(_prompt(64, seed=4), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        sdpa.generate(random_prompt(64, seed=4), past_key_values=cache, max_new_tokens=4, do_sample=False)
         telemetry = method.telemetry(cache)
         assert kv_cache_bytes(cache) == telemetry["kv_cache_bytes"]
     assert len(telemetry["kv_read_fraction_per_step"]) == 3  # 3 decode steps after the prefill's token

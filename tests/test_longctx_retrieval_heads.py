@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import random_prompt, tiny_llama
 from transformers import AttentionInterface, DynamicCache, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -31,8 +31,6 @@ def _pattern(model, heads=((0, 0), (1, 1)), scores=((0.9, 0.1), (0.2, 0.8))) -> 
     return HeadPattern(LAYERS, HKV, HQ, [list(r) for r in scores], list(heads), config_fingerprint(model.config), "tiny")
 
 
-def _prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 # ------------------------------------------------------------------------------------------------- pattern files
@@ -83,7 +81,7 @@ def test_same_counts_other_config_warns_in_the_record(sdpa):
     pattern.fingerprint = {**pattern.fingerprint, "vocab_size": 999}
     method = RetrievalHeads(pattern=pattern, window=1000)
     with method.make_cache(sdpa) as cache:
-        sdpa.generate(_prompt(12), past_key_values=cache, max_new_tokens=1, do_sample=False)
+        sdpa.generate(random_prompt(12), past_key_values=cache, max_new_tokens=1, do_sample=False)
         warnings = method.telemetry(cache)["warnings"]
     assert any("vocab_size: 999 vs 128" in w for w in warnings)
 
@@ -91,7 +89,7 @@ def test_same_counts_other_config_warns_in_the_record(sdpa):
 # -------------------------------------------------------------------------------------- storage and byte accounting
 def test_two_groups_are_stored_apart_and_bytes_really_fall(sdpa):
     method = RetrievalHeads(pattern=_pattern(sdpa), sink=2, window=6)
-    ids = _prompt(40, seed=2)
+    ids = random_prompt(40, seed=2)
     with method.make_cache(sdpa) as cache:
         sdpa.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)  # 40 + 3 cached tokens
         telemetry = method.telemetry(cache)
@@ -118,7 +116,7 @@ def test_a_second_open_cache_on_the_same_model_is_refused(sdpa):
 
 
 def test_a_forward_without_the_cache_while_it_is_open_runs_plain_attention(sdpa):
-    ids = _prompt(30, seed=7)
+    ids = random_prompt(30, seed=7)
     with torch.no_grad():
         plain = sdpa(ids).logits
         with RetrievalHeads(pattern=_pattern(sdpa), sink=2, window=4).make_cache(sdpa) as cache:
@@ -134,7 +132,7 @@ def test_a_failing_forward_gives_the_modules_back(sdpa):
     with pytest.raises(ValueError, match="left-padded batch"):
         mask = torch.ones(2, 20, dtype=torch.long)
         mask[0, :3] = 0
-        sdpa.generate(_prompt(20, batch=2), attention_mask=mask, past_key_values=cache, max_new_tokens=2,
+        sdpa.generate(random_prompt(20, batch=2), attention_mask=mask, past_key_values=cache, max_new_tokens=2,
                       do_sample=False)
     assert sdpa.model.layers[0].self_attn.config is sdpa.config
 
@@ -143,14 +141,14 @@ def test_a_failing_forward_gives_the_modules_back(sdpa):
 @pytest.mark.parametrize("spec_kwargs", [{"window": 1000}, {"window": 2, "fraction": 1.0},
                                          {"window": 1000, "compensation": True}])
 def test_unbounded_split_is_token_identical_to_full(sdpa, spec_kwargs):
-    ids = _prompt(40, seed=2)
+    ids = random_prompt(40, seed=2)
     plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
     with RetrievalHeads(pattern=_pattern(sdpa), **spec_kwargs).make_cache(sdpa) as cache:
         assert torch.equal(sdpa.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False), plain)
 
 
 def test_generate_prefill_chunks_give_the_unchunked_result(sdpa):
-    ids = _prompt(40, seed=5)
+    ids = random_prompt(40, seed=5)
     method = RetrievalHeads(pattern=_pattern(sdpa), sink=2, window=6)
     with method.make_cache(sdpa) as cache:
         once = sdpa.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, output_logits=True,
@@ -165,7 +163,7 @@ def test_generate_prefill_chunks_give_the_unchunked_result(sdpa):
 
 
 def test_unpadded_batch_rows_match_single_rows(sdpa):
-    ids = _prompt(30, seed=6, batch=2)
+    ids = random_prompt(30, seed=6, batch=2)
     method = RetrievalHeads(pattern=_pattern(sdpa), sink=2, window=5)
     with method.make_cache(sdpa) as cache:
         both = sdpa.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
@@ -191,7 +189,7 @@ def test_decode_logits_after_a_real_split_match_a_per_head_masked_reference(sdpa
     with that per-KV-head mask; the method's run is prefill + 6 decode steps through its cache."""
     prompt, steps, sink, window = 40, 6, 2, 6
     pattern = _pattern(sdpa)
-    ids = _prompt(prompt + steps, seed=3)
+    ids = random_prompt(prompt + steps, seed=3)
     logits = []
     with RetrievalHeads(pattern=pattern, sink=sink, window=window).make_cache(sdpa) as cache:
         logits.append(sdpa(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1])

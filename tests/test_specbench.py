@@ -48,14 +48,6 @@ def micro_full(micro, micro_prompt):
     return generate_measured(model, tok, micro_prompt, method="full", max_new_tokens=16, warmup=0)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    model, tok = tiny_model_and_tokenizer()
-    path = tmp_path_factory.mktemp("tiny-llama-other-tokenizer")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
 
 def _run(capsys, *argv):
     rc = main(list(argv))

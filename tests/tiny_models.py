@@ -41,3 +41,8 @@ def tiny_llama(
         **special,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def random_prompt(length: int, seed: int = 1, batch: int = 1, vocab_size: int = 128) -> torch.Tensor:
+    """Seeded random token ids [batch, length] for the tiny Llama."""
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -415,7 +415,7 @@ def score_answer(generated: str, answer: str) -> bool:
     Digits separated by ``,`` or ``_`` count as one number (``84,426`` is 84426).
     """
     match = re.search(r"\d[\d,_]*", generated)
-    return bool(match) and re.sub(r"[,_]", "", match.group(0)).rstrip(",_") == answer
+    return bool(match) and re.sub(r"[,_]", "", match.group(0)) == answer
 
 
 def score_answer_contains(generated: str, answer: str) -> bool:
