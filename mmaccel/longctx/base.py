@@ -791,7 +791,13 @@ class KVScorer(KVMethod):
         if step.phase == "prefill":
             keep = self.layer_budget(step)
             low = self.min_budget(step)
-            if keep < low:
+            if keep < low and self.ratio is not None:
+                # A fraction is relative to the prompt: on a short prompt (a warm-up, a short document) it can fall
+                # below what the method needs (e.g. SnapKV's window). Keep the minimum and say so in the record.
+                step.cache.warn(f"ratio={self.ratio} of {layer.cumulative_length} tokens is {keep} slots, fewer than "
+                                f"the {low} {self.method_name} needs; kept {low}")
+                keep = low
+            elif keep < low:
                 raise ValueError(
                     f"{self.name}: layer {step.layer_idx} would keep {keep} slots of {layer.cumulative_length} "
                     f"tokens, fewer than the {low} it needs; raise the budget or ratio"
