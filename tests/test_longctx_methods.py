@@ -383,6 +383,26 @@ def test_chunked_snapkv_window_is_the_current_chunks_last_queries(sdpa):
         assert all(torch.equal(a.positions, b.positions) for a, b in zip(whole.layers, plain.layers))
 
 
+@pytest.mark.parametrize("spec", ["quest:budget=16:page_size=4", "adakv:method=snapkv,budget=12,window=4",
+                                  "kvquant:bits=4:residual=4:group=8"])
+def test_chunked_wraps_methods_with_their_own_caches_as_generate_chunking_does(sdpa, spec):
+    """Quest, AdaKV and kvquant build their own cache types; the wrapper drives them exactly as
+    ``generate(prefill_chunk_size=C)`` does."""
+    ids = random_prompt(40, seed=13)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with build_method(spec).make_cache(sdpa) as cache:
+        native = sdpa.generate(ids, past_key_values=cache, prefill_chunk_size=12, **kwargs)
+    with Chunked(build_method(spec), chunk=12).make_cache(sdpa) as cache:
+        wrapped = sdpa.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(native.sequences, wrapped.sequences)
+    torch.testing.assert_close(torch.stack(native.logits), torch.stack(wrapped.logits), rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_kvquant_with_eviction_is_refused_up_front():
+    with pytest.raises(ValueError, match="cannot run with chunked prefill .with eviction"):
+        Chunked(build_method("kvquant:bits=4:method=snapkv,budget=16,window=4"), chunk=8)
+
+
 def test_chunked_refuses_a_method_that_cannot_run_chunked():
     class Unchunkable(KNorm):
         supports_chunking = False

@@ -158,8 +158,9 @@ def test_generate_prefill_chunks_give_the_unchunked_result(sdpa):
                                 return_dict_in_generate=True, prefill_chunk_size=9)
     assert torch.equal(once.sequences, chunked.sequences)
     torch.testing.assert_close(torch.stack(once.logits), torch.stack(chunked.logits), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="prefill_chunk_size"):
-        Chunked(method, chunk=8)
+    with Chunked(method, chunk=9).make_cache(sdpa) as cache:
+        wrapped = sdpa.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(wrapped, chunked.sequences)
 
 
 def test_unpadded_batch_rows_match_single_rows(sdpa):
@@ -183,15 +184,17 @@ def _perhead_reference(module, query, key, value, attention_mask, scaling=None, 
     return (probs @ v).transpose(1, 2).contiguous(), None
 
 
-def test_decode_logits_after_a_real_split_match_a_per_head_masked_reference(sdpa):
+@pytest.mark.parametrize("prefill", ["sparse", "dense"])
+def test_decode_logits_after_a_real_split_match_a_per_head_masked_reference(sdpa, prefill):
     """Retrieval KV heads see every earlier token; streaming KV heads see sinks + the window before each query plus
-    itself, at prefill and decode alike. The reference is one forward of the whole sequence through dense attention
-    with that per-KV-head mask; the method's run is prefill + 6 decode steps through its cache."""
+    itself, at prefill (``prefill="sparse"``; ``"dense"``: the prompt rows see every earlier token) and at decode.
+    The reference is one forward of the whole sequence through dense attention with that per-KV-head mask; the
+    method's run is prefill + 6 decode steps through its cache."""
     prompt, steps, sink, window = 40, 6, 2, 6
     pattern = _pattern(sdpa)
     ids = random_prompt(prompt + steps, seed=3)
     logits = []
-    with RetrievalHeads(pattern=pattern, sink=sink, window=window).make_cache(sdpa) as cache:
+    with RetrievalHeads(pattern=pattern, sink=sink, window=window, prefill=prefill).make_cache(sdpa) as cache:
         logits.append(sdpa(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1])
         for t in range(prompt, prompt + steps):
             logits.append(sdpa(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
@@ -204,6 +207,8 @@ def test_decode_logits_after_a_real_split_match_a_per_head_masked_reference(sdpa
     k = torch.arange(total)[None, :]
     causal = k <= q
     streaming = causal & ((k < sink) | (q - k <= window))
+    if prefill == "dense":
+        streaming = torch.where(q < prompt, causal, streaming)
     for layer_idx, layer in enumerate(reference.model.layers):
         allowed = torch.stack([causal if h in pattern.heads_of(layer_idx) else streaming for h in range(HKV)])
         layer.self_attn._test_allowed = allowed[None]
@@ -241,6 +246,20 @@ def test_razor_compensation_equals_attention_over_dropped_tokens_replaced_by_the
     assert sum(t.numel() for t in layer.kv_tensors()) == 2 * D * ((n + 3) + (sink + window) + 1)
 
 
+def test_dense_prefill_with_no_retrieval_heads_is_streamingllm(sdpa):
+    """Every head streaming + a dense prefill is StreamingLLM (the prompt attends fully; decode sees sinks + window):
+    an independent implementation of the same policy, through the eviction base instead of owned attention."""
+    ids = random_prompt(40, seed=8)
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with RetrievalHeads(pattern=_pattern(sdpa), fraction=0.0, sink=2, window=6, prefill="dense").make_cache(
+            sdpa) as cache:
+        split = sdpa.generate(ids, past_key_values=cache, **kwargs)
+    with build_method("streaming:sink=2:window=6").make_cache(sdpa) as cache:
+        streaming = sdpa.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(split.sequences, streaming.sequences)
+    torch.testing.assert_close(torch.stack(split.logits), torch.stack(streaming.logits), rtol=1e-4, atol=1e-5)
+
+
 def test_razor_is_registered_with_compensation_on_and_specs_round_trip(sdpa, tmp_path):
     assert METHODS["razor"] is RazorAttention and METHODS["duo"] is RetrievalHeads
     path = _pattern(sdpa).save(tmp_path / "tiny.json")
@@ -248,6 +267,10 @@ def test_razor_is_registered_with_compensation_on_and_specs_round_trip(sdpa, tmp
         method = build_method(spec)
         assert build_method(method.spec) == method
     assert build_method(f"razor:pattern={path}").compensation is True
+    assert build_method(f"razor:pattern={path}").prefill == "dense"
+    assert build_method(f"duo:pattern={path}").prefill == "sparse"
+    with pytest.raises(ValueError, match="prefill must be 'sparse' or 'dense'"):
+        build_method(f"duo:pattern={path}:prefill=full")
     with pytest.raises(ValueError, match="fraction must be in"):
         build_method(f"duo:pattern={path}:fraction=1.5")
     with pytest.raises(ValueError, match="window must be an integer >= 1"):

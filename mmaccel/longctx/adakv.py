@@ -121,8 +121,7 @@ class AdaKV(KVScorer):
     Scores must be comparable across heads (attention probabilities are: SnapKV, PyramidKV, H2O, TOVA). A second
     compression (a later prefill chunk, or every decode step under H2O/StreamingLLM) scores the padded layout: padding
     slots score ``-inf``, but attention-based scorers normalise over them (they repeat a real slot), a small
-    distortion. Padded batches raise, as for the wrapped methods. Works with ``generate(prefill_chunk_size=C)``; the ``Chunked`` wrapper refuses
-    it.
+    distortion. Padded batches raise, as for the wrapped methods. Works with ``generate(prefill_chunk_size=C)`` and under the ``Chunked`` wrapper.
 
     Raises
     ------
@@ -134,9 +133,6 @@ class AdaKV(KVScorer):
     alpha: float = 0.2
 
     method_name = "adakv"
-    supports_chunking = False
-    chunking_error = ("its layers compute their own attention, which the Chunked wrapper's cache does not route; "
-                      "use generate(..., prefill_chunk_size=C)")
 
     def __init__(self, method: object = "snapkv", alpha: float = 0.2, budget: int | None = None,
                  ratio: float | None = None):

@@ -88,8 +88,12 @@ class Chunked(KVMethod):
         self.method.on_step(step)
 
     def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
-        """The wrapped method's cache plus a chunking pre-hook on ``model`` (removed with the cache's hooks)."""
-        cache = KVMethodCache(model, self)
+        """The wrapped method's own cache (``method.make_cache``: hook-driven or attention-owning alike) plus a
+        chunking pre-hook on ``model``, removed with the cache's hooks. A method whose cache is a plain transformers
+        cache (``full``) gets a :class:`KVMethodCache` of its layers, which can hold the hook."""
+        cache = self.method.make_cache(model)
+        if not isinstance(cache, KVMethodCache):
+            cache = KVMethodCache(model, self)
         ref = weakref.ref(cache)
         chunk = self.chunk
         last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -191,8 +191,8 @@ class KVQuant(KVMethod):
 
     Notes
     -----
-    Chunked prefill (``generate(prefill_chunk_size=C)``) works without eviction; with eviction a later chunk would be
-    scored against quantized keys and is refused. Padded batches raise when a method evicts.
+    Chunked prefill (``generate(prefill_chunk_size=C)`` or the ``Chunked`` wrapper) works without eviction; with
+    eviction a later chunk would be scored against quantized keys and is refused. Padded batches raise when a method evicts.
 
     Raises
     ------
@@ -209,9 +209,13 @@ class KVQuant(KVMethod):
     method: object = "full"
 
     method_name = "kvquant"
-    supports_chunking = False
-    chunking_error = ("its layers compute their own attention, which the Chunked wrapper's cache does not route; "
-                      "use generate(..., prefill_chunk_size=C)")
+
+    @property
+    def supports_chunking(self) -> bool:
+        """Chunked prefill works without eviction only (a later chunk would score quantized keys)."""
+        return self.method.name == "full"
+
+    chunking_error = "with eviction a later prefill chunk would be scored against quantized keys; use method=full"
 
     def __post_init__(self):
         if self.bits not in _BITS:

@@ -171,7 +171,7 @@ class Quest(KVMethod):
     Notes
     -----
     A budget covering every page reads everything (bit-exact with full attention). Padded batches, beam search and
-    cropping raise; chunked prefill works through ``generate(prefill_chunk_size=C)``, not the ``Chunked`` wrapper.
+    cropping raise; chunked prefill works through ``generate(prefill_chunk_size=C)`` and the ``Chunked`` wrapper alike.
 
     Raises
     ------
@@ -185,9 +185,6 @@ class Quest(KVMethod):
 
     method_name = "quest"
     uses_hooks = False
-    supports_chunking = False
-    chunking_error = ("its layers compute their own attention, which the Chunked wrapper's cache does not route; "
-                      "use generate(..., prefill_chunk_size=C)")
 
     def __post_init__(self):
         name = self.method_name

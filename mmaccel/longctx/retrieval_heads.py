@@ -41,14 +41,17 @@ class SplitHeadsLayer(AttentionOwningLayer):
     Notes
     -----
     Each query of a streaming head attends the ``sink`` first tokens and the ``window`` tokens before it plus itself
-    (``Streaming(sink, window + 1)``), computed over slot indices, which equal positions up to a constant offset for
+    (``Streaming(sink, window + 1)``); with ``dense_prefill`` a multi-token forward's queries attend causally to
+    everything held (the whole prompt, for one prefill) and only then is the window trimmed. Computed over slot indices, which equal positions up to a constant offset for
     every non-sink slot. The compensation slot joins every streaming query's softmax with weight ``comp_count``
     (an additive ``log(comp_count)`` bias, as if each dropped token had the mean key and value); tokens that leave the
     window *inside* one prefill chunk are folded in after that chunk.
     """
 
-    def __init__(self, retrieval: tuple[int, ...], num_kv_heads: int, sink: int, window: int, compensation: bool):
+    def __init__(self, retrieval: tuple[int, ...], num_kv_heads: int, sink: int, window: int, compensation: bool,
+                 dense_prefill: bool = False):
         super().__init__()
+        self.dense_prefill = dense_prefill
         self.num_kv_heads = num_kv_heads
         self.retrieval = torch.tensor(sorted(retrieval), dtype=torch.long)
         self.streaming = torch.tensor([h for h in range(num_kv_heads) if h not in set(retrieval)], dtype=torch.long)
@@ -116,6 +119,8 @@ class SplitHeadsLayer(AttentionOwningLayer):
             return out.to(qs.dtype)
         if q == 1:  # everything held is inside the window of the newest token
             return decode_attention(qs, k, v, scaling=scaling)
+        if self.dense_prefill:  # RazorAttention: the prompt attends to everything held; eviction comes after
+            return attention(qs, k, v, causal=True, scaling=scaling)
         return sparse_prefill_attention(qs, k, v, Streaming(self.sink, self.window + 1), scaling=scaling)
 
     def _trim(self) -> None:
@@ -182,13 +187,17 @@ class RetrievalHeads(KVMethod):
         heads (default: the file's own set).
     compensation : bool
         Add RazorAttention's compensation token to the streaming heads (:class:`RazorAttention` turns it on).
+    prefill : str
+        How streaming heads attend during the prefill: ``"sparse"`` (sinks + window, as DuoAttention; cheaper) or
+        ``"dense"`` (the whole prompt, then evict to sinks + window, as RazorAttention). Choices: sparse, dense.
 
     Notes
     -----
-    Prefill of streaming heads is itself sparse (each query sees sinks + window), as in DuoAttention. Chunked prefill
-    through ``generate(..., prefill_chunk_size=C)`` gives the same result as one prefill (each chunk's streaming
-    queries see the held sinks + window plus the chunk); the :class:`~mmaccel.longctx.chunked.Chunked` wrapper refuses
-    it. Padded batches, beam search and cropping raise.
+    With ``prefill="sparse"`` the prefill of streaming heads is itself sparse (each query sees sinks + window), as in
+    DuoAttention; with ``"dense"`` the prompt attends fully and only the held cache is bounded. Chunked prefill
+    (``generate(..., prefill_chunk_size=C)`` or the :class:`~mmaccel.longctx.chunked.Chunked` wrapper): each chunk's
+    streaming queries see the held sinks + window plus the chunk, which for ``"sparse"`` is the unchunked result and
+    for ``"dense"`` bounds what a streaming head's prompt query sees to sinks + window + its chunk. Padded batches, beam search and cropping raise.
 
     Raises
     ------
@@ -202,12 +211,10 @@ class RetrievalHeads(KVMethod):
     window: int = 256
     fraction: float | None = None
     compensation: bool = False
+    prefill: str = "sparse"
 
     method_name = "retrieval_heads"
     uses_hooks = False
-    supports_chunking = False
-    chunking_error = ("its layers compute their own attention, which the Chunked wrapper's cache does not route; "
-                      "use generate(..., prefill_chunk_size=C), which it supports")
 
     def __post_init__(self):
         if self.pattern is None or (isinstance(self.pattern, str) and not self.pattern):
@@ -220,6 +227,9 @@ class RetrievalHeads(KVMethod):
         if not isinstance(self.compensation, bool):
             raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
                 f"{self.method_name}: compensation must be true or false, got {self.compensation!r}")
+        if self.prefill not in ("sparse", "dense"):
+            raise ValueError(f"{self.method_name}: prefill must be 'sparse' or 'dense', got {self.prefill!r}; "
+                             f"e.g. {self.method_name}:prefill=dense")
         self._resolved: HeadPattern | None = None
 
     @property
@@ -232,7 +242,7 @@ class RetrievalHeads(KVMethod):
     @property
     def spec(self) -> str:
         return (f"{self.name}:pattern={self.pattern_label}:sink={self.sink}:window={self.window}:fraction={self.fraction}"
-                f":compensation={self.compensation}")
+                f":compensation={self.compensation}:prefill={self.prefill}")
 
     def resolve(self, model: torch.nn.Module | None = None) -> HeadPattern:
         """The head pattern in use (``fraction`` applied), checked against ``model`` when given.
@@ -252,7 +262,7 @@ class RetrievalHeads(KVMethod):
     def make_layer(self, layer_idx: int) -> SplitHeadsLayer:
         pattern = self._resolved or self.resolve()
         return SplitHeadsLayer(pattern.heads_of(layer_idx), pattern.num_kv_heads, self.sink, self.window,
-                               self.compensation)
+                               self.compensation, dense_prefill=self.prefill == "dense")
 
     def make_cache(self, model: torch.nn.Module) -> OwnedAttentionCache:
         """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
@@ -285,6 +295,7 @@ class RetrievalHeads(KVMethod):
             "window": self.window,
             "fraction": self.fraction,
             "compensation": self.compensation,
+            "prefill": self.prefill,
             "retrieval_fraction": pattern.retrieval_fraction if pattern else None,
             "retrieval_heads_per_layer": [len(l.retrieval) for l in layers],
             "seen_tokens": seen,
@@ -301,10 +312,12 @@ class RetrievalHeads(KVMethod):
 class RazorAttention(RetrievalHeads):
     """RazorAttention (Tang et al., 2024, arXiv 2407.15891): the retrieval-head split with a compensation token.
 
-    As :class:`RetrievalHeads`, but ``compensation`` defaults to true: every streaming head keeps one extra slot, the
-    mean key and mean value of the tokens it dropped, weighted in the softmax by their count.
+    As :class:`RetrievalHeads`, but ``compensation`` defaults to true (every streaming head keeps one extra slot, the
+    mean key and mean value of the tokens it dropped, weighted in the softmax by their count) and ``prefill`` to
+    ``"dense"``: RazorAttention compresses the cache after a full-attention prefill.
     """
 
     compensation: bool = True
+    prefill: str = "dense"
 
     method_name = "razor"
