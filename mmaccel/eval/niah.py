@@ -19,10 +19,20 @@ Output folder
     length x depth cell the accuracy, counts and medians.
 ``heatmap_<method>.png``
     Accuracy over length (x) x depth (y), one per method.
+
+Sharded sweeps
+--------------
+Under ``accelerate launch`` (or ``torchrun``) with N > 1 processes, :func:`run_niah` gives cell ``i`` of the
+(method, length, depth, trial) list to process ``i % N`` (:func:`shard_cells`). Every process builds the same list and
+the same documents from the seed, writes its records to ``shard-{k}-of-{N}/results.jsonl`` (and that shard's
+``summary.json``), waits for the others, and the main process writes the files above, in the single-process order, so
+they equal a one-process run's except for timings and ``config["shards"]``. The output folder must be shared by the
+processes (one machine, or a shared file system).
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import re
@@ -178,12 +188,18 @@ class NIAHResult:
     out_dir : pathlib.Path or None
     heatmaps : dict
         Method label -> PNG path.
+    process_index, num_processes : int
+        This process and the number of processes of a sharded sweep (``0`` and ``1`` for one process). In a sharded
+        sweep the main process (index 0) holds the merged records and summary; the others hold their shard's, and
+        their ``out_dir`` is the shard folder.
     """
 
     records: list
     summary: dict
     out_dir: Path | None = None
     heatmaps: dict = field(default_factory=dict)
+    process_index: int = 0
+    num_processes: int = 1
 
     def accuracy(self, method: str) -> float | None:
         """Overall accuracy of one method over its successful runs (``None`` if none succeeded)."""
@@ -384,6 +400,119 @@ def estimate_sweep_seconds(model, tokenizer, lengths: Sequence[int], runs_per_le
     }
 
 
+BARRIER_TIMEOUT = datetime.timedelta(days=7)
+"""How long a process of a sharded sweep waits for the others (shards finish at different times; torch's default
+of 30 minutes (gloo) or 10 minutes (NCCL) would end a long sweep). When one process fails, the launcher (torchrun)
+stops the others, so they do not wait this long."""
+
+
+def process_state(device="auto", *, timeout: datetime.timedelta = BARRIER_TIMEOUT):
+    """accelerate's ``PartialState`` of this process, set up for a sweep on ``device``.
+
+    On a machine without CUDA, ``accelerate launch --multi_gpu --num_processes N`` starts N local processes through
+    torchrun, as on GPUs; they join one gloo group only when ``PartialState`` is told to use the CPU, so ``cpu`` is
+    set from ``device`` (``"cpu"``, or ``"auto"`` without CUDA).
+    The state is process-wide: the first call sets it up (and ``timeout``, the wait at barriers), later calls return it.
+
+    Parameters
+    ----------
+    device : str or torch.device
+        ``"auto"``, ``"cpu"`` or ``"cuda[:N]"``, as in :func:`mmaccel.models.load`.
+    timeout : datetime.timedelta
+        Longest wait at a barrier (default :data:`BARRIER_TIMEOUT`).
+
+    Returns
+    -------
+    accelerate.PartialState
+        ``num_processes``, ``process_index``, ``is_main_process``, ``device``, ``wait_for_everyone()``.
+    """
+    import torch
+    from accelerate import PartialState
+
+    cpu = str(device).startswith("cpu") or not torch.cuda.is_available()
+    return PartialState(cpu=cpu, timeout=timeout)
+
+
+def shard_cells(cells: Sequence, num_processes: int, process_index: int) -> list:
+    """The cells one process of a sharded sweep runs: cell ``i`` goes to process ``i % num_processes``.
+
+    Every process passes the same list in the same order, so the shards are disjoint and cover every cell once;
+    round-robin spreads each method's lengths (whose cost grows with length) over the processes.
+
+    Parameters
+    ----------
+    cells : sequence
+        All cells, in the single-process order.
+    num_processes : int
+        Number of processes (>= 1).
+    process_index : int
+        This process, in ``[0, num_processes)``.
+
+    Returns
+    -------
+    list
+        ``cells[process_index::num_processes]``.
+
+    Raises
+    ------
+    ValueError
+        If ``num_processes < 1`` or ``process_index`` is outside ``[0, num_processes)``.
+    """
+    if num_processes < 1 or not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index must be in [0, num_processes) with num_processes >= 1, got process "
+                         f"{process_index} of {num_processes}")
+    return list(cells)[process_index::num_processes]
+
+
+def shard_dir(out_dir, process_index: int, num_processes: int) -> Path:
+    """The folder of one shard of a sharded sweep: ``out_dir/shard-{k}-of-{N}``."""
+    return Path(out_dir) / f"shard-{process_index}-of-{num_processes}"
+
+
+def _cell_key(record: dict) -> tuple:
+    """(method label, length, depth, trial) of a record: what identifies a cell of a sweep."""
+    return record["method"], record["extra"]["length"], record["extra"]["depth"], record["extra"].get("trial")
+
+
+def _write_sweep(out: Path, records: list[dict], summary: dict, labels: Sequence[str], lengths: Sequence[int],
+                 depths: Sequence[float], *, write_records: bool = True) -> NIAHResult:
+    """Write ``results.jsonl`` (unless already streamed there), ``summary.json`` and one heatmap per label."""
+    out.mkdir(parents=True, exist_ok=True)
+    if write_records:
+        with open(out / "results.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    result = NIAHResult(records=records, summary=summary, out_dir=out)
+    for label in labels:
+        result.heatmaps[label] = plot_heatmap(summary["methods"][label]["cells"], lengths, depths,
+                                              f"NIAH accuracy: {label}", out / f"heatmap_{safe_label(label)}.png")
+    return result
+
+
+def _read_sweeps(in_dirs: Sequence) -> tuple[list[dict], list[dict]]:
+    """Records and ``summary.json`` configs of several sweep folders, in the order given.
+
+    Raises
+    ------
+    FileNotFoundError
+        If a folder has no ``results.jsonl``.
+    ValueError
+        If a method label appears in two sweeps for the same (length, depth, trial).
+    """
+    records, configs = [], []
+    for d in in_dirs:
+        path = Path(d) / "results.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; pass folders written by `mmaccel niah --out`")
+        records += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if (Path(d) / "summary.json").is_file():
+            configs.append(json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")).get("config", {}))
+    keys = [_cell_key(r) for r in records]
+    if len(set(keys)) != len(keys):
+        raise ValueError("the sweeps overlap: the same method, length, depth and trial appears twice")
+    return records, configs
+
+
 def run_niah(
     model,
     tokenizer,
@@ -402,8 +531,10 @@ def run_niah(
     warmup: int = 1,
     out_dir=None,
     progress: bool = True,
+    state=None,
 ) -> NIAHResult:
-    """Run a NIAH sweep: every method on every (length, depth, trial) prompt.
+    """Run a NIAH sweep: every method on every (length, depth, trial) prompt, sharded over processes when launched
+    with ``accelerate launch`` (see the module docstring).
 
     Parameters
     ----------
@@ -428,12 +559,17 @@ def run_niah(
     max_new_tokens : int
         Tokens generated per run (default 32, room for an instruct model's "The secret number of ... is" preamble).
     repeats, warmup : int
-        Passed to :func:`~mmaccel.eval.generation.generate_measured`; ``warmup`` runs happen once per method, on a
-        short prompt (:func:`warmup_sample`), not on a copy of the long one and not before every trial.
+        Passed to :func:`~mmaccel.eval.generation.generate_measured`; ``warmup`` runs happen once per method (and per
+        process in a sharded sweep), on a short prompt (:func:`warmup_sample`), not on a copy of the long one and not
+        before every trial.
     out_dir : path, optional
-        Where ``results.jsonl``, ``summary.json`` and the heatmaps go; nothing is written when ``None``.
+        Where ``results.jsonl``, ``summary.json`` and the heatmaps go; nothing is written when ``None``. A sharded
+        sweep also writes ``shard-{k}-of-{N}/`` there; every process must see the same folder.
     progress : bool
         Show a tqdm progress bar.
+    state : accelerate.PartialState, optional
+        The processes to shard over; default :func:`process_state` for the model's device. One process (no
+        ``accelerate launch``, or ``--num_processes 1``) runs every cell, exactly as without accelerate.
 
     Returns
     -------
@@ -444,8 +580,11 @@ def run_niah(
     ValueError, FileNotFoundError
         Configuration errors, all before the first run: an unknown method or bad method arguments, bad
         lengths/depths/trials, a length too small for the needle, bad templates, ``chat_template="on"`` for a
-        tokenizer without one, a missing haystack file. Failures
-        of single runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
+        tokenizer without one, a missing haystack file, a sharded sweep without ``out_dir``. Failures of single
+        runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
+    RuntimeError
+        In a sharded sweep, if the shard files the main process reads back do not hold every cell exactly once
+        (e.g. another sweep wrote into the same folder at the same time).
     """
     resolved = resolve_methods(methods)
     use_chat = resolve_chat_template(tokenizer, chat_template)
@@ -459,42 +598,53 @@ def run_niah(
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_pos and max(lengths) + max_new_tokens > max_pos:
         logger.warning("lengths up to %d exceed the model's max_position_embeddings=%d", max(lengths), max_pos)
+    if state is None:
+        state = process_state(getattr(model, "device", "cpu"))
+    n_proc, rank = state.num_processes, state.process_index
+    if n_proc > 1 and out_dir is None:
+        raise ValueError(f"a sweep sharded over {n_proc} processes needs out_dir (a folder every process can see), "
+                         "where the shards are merged")
 
     from tqdm.auto import tqdm
 
+    # (method index, sample index), method-major: the single-process order.
+    cells = [(m, s) for m in range(len(resolved)) for s in range(len(samples))]
+    mine = shard_cells(cells, n_proc, rank)
     out = Path(out_dir) if out_dir is not None else None
+    run_dir = shard_dir(out, rank, n_proc) if out is not None and n_proc > 1 else out
     records: list[dict] = []
+    warmed: set[int] = set()
     with contextlib.ExitStack() as stack:
         sink = None
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(out / "results.jsonl", "w", encoding="utf-8"))
-        bar = stack.enter_context(
-            tqdm(total=len(resolved) * len(samples), desc="niah", unit="run", disable=not progress)
-        )
-        for method, label in resolved:
-            for i, (trial, sample) in enumerate(samples):
-                bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
-                rec = generate_measured(
-                    model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
-                    repeats=repeats, warmup=warmup if i == 0 else 0, warmup_ids=warm.input_ids,
-                )
-                rec.extra.update(
-                    length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
-                    answer=sample.answer, needle_position=sample.needle_position, chat_template=use_chat,
-                    correct=rec.ok and score_answer(rec.output_text, sample.answer),
-                    correct_contains=rec.ok and score_answer_contains(rec.output_text, sample.answer),
-                )
-                row = rec.to_dict()
-                records.append(row)
-                if sink is not None:
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-                bar.update(1)
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            sink = stack.enter_context(open(run_dir / "results.jsonl", "w", encoding="utf-8"))
+        desc = "niah" if n_proc == 1 else f"niah {rank + 1}/{n_proc}"
+        bar = stack.enter_context(tqdm(total=len(mine), desc=desc, unit="run", disable=not progress))
+        for m, s in mine:
+            (method, label), (trial, sample) = resolved[m], samples[s]
+            bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
+            rec = generate_measured(
+                model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
+                repeats=repeats, warmup=0 if m in warmed else warmup, warmup_ids=warm.input_ids,
+            )
+            warmed.add(m)
+            rec.extra.update(
+                length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
+                answer=sample.answer, needle_position=sample.needle_position, chat_template=use_chat,
+                correct=rec.ok and score_answer(rec.output_text, sample.answer),
+                correct_contains=rec.ok and score_answer_contains(rec.output_text, sample.answer),
+            )
+            row = rec.to_dict()
+            records.append(row)
+            if sink is not None:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+            bar.update(1)
 
-    summary = summarize(records, lengths, depths)
-    summary["config"] = {
-        "methods": [label for _, label in resolved],
+    labels = [label for _, label in resolved]
+    config = {
+        "methods": labels,
         "lengths": lengths,
         "depths": depths,
         "trials": trials,
@@ -508,15 +658,39 @@ def run_niah(
         "repeats": repeats,
         "warmup": warmup,
     }
-    result = NIAHResult(records=records, summary=summary, out_dir=out)
-    if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        for _, label in resolved:
-            path = out / f"heatmap_{safe_label(label)}.png"
-            result.heatmaps[label] = plot_heatmap(
-                summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}", path
-            )
+    if n_proc == 1:
+        summary = summarize(records, lengths, depths)
+        summary["config"] = config
+        if out is None:
+            return NIAHResult(records=records, summary=summary)
+        result = _write_sweep(out, records, summary, labels, lengths, depths, write_records=False)
         logger.info("wrote %s", out)
+        return result
+
+    # Sharded: this shard's summary (so `mmaccel niah-merge` can also merge shards by hand), then the main process
+    # merges every shard, in the single-process order, once all have finished.
+    shard_summary = summarize(records, lengths, depths)
+    shard_summary["config"] = {**config, "shard": [rank, n_proc]}
+    (run_dir / "summary.json").write_text(json.dumps(shard_summary, indent=2), encoding="utf-8")
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return NIAHResult(records=records, summary=shard_summary, out_dir=run_dir, process_index=rank,
+                          num_processes=n_proc)
+    dirs = [shard_dir(out, k, n_proc) for k in range(n_proc)]
+    merged, _ = _read_sweeps(dirs)
+    order = {(resolved[m][1], samples[s][1].length, samples[s][1].depth, samples[s][0]): i
+             for i, (m, s) in enumerate(cells)}
+    found = {_cell_key(r) for r in merged}
+    if len(merged) != len(order) or found != set(order):
+        raise RuntimeError(f"the shards in {out} hold {len(merged)} records for {len(order)} cells (missing "
+                           f"{len(set(order) - found)}, foreign {len(found - set(order))}); was another sweep "
+                           "writing into the same folder?")
+    merged.sort(key=lambda r: order[_cell_key(r)])
+    summary = summarize(merged, lengths, depths)
+    summary["config"] = {**config, "shards": [str(d) for d in dirs]}
+    result = _write_sweep(out, merged, summary, labels, lengths, depths)
+    result.process_index, result.num_processes = rank, n_proc
+    logger.info("merged %d shards into %s", n_proc, out)
     return result
 
 
@@ -540,32 +714,13 @@ def merge_results(in_dirs: Sequence, out_dir) -> NIAHResult:
     ValueError
         If a method label appears in two sweeps for the same (length, depth, trial).
     """
-    records, configs = [], []
-    for d in in_dirs:
-        path = Path(d) / "results.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; pass folders written by `mmaccel niah --out`")
-        records += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if (Path(d) / "summary.json").is_file():
-            configs.append(json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")).get("config", {}))
-    keys = [(r["method"], r["extra"]["length"], r["extra"]["depth"], r["extra"].get("trial")) for r in records]
-    if len(set(keys)) != len(keys):
-        raise ValueError("the sweeps overlap: the same method, length, depth and trial appears twice")
+    records, configs = _read_sweeps(in_dirs)
     lengths = sorted({r["extra"]["length"] for r in records})
     depths = sorted({r["extra"]["depth"] for r in records})
     summary = summarize(records, lengths, depths)
     config = dict(configs[0]) if configs else {}
+    config.pop("shard", None)
     config.update(methods=list(summary["methods"]), lengths=lengths, depths=depths,
                   merged_from=[str(d) for d in in_dirs])
     summary["config"] = config
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    result = NIAHResult(records=records, summary=summary, out_dir=out)
-    for label, m in summary["methods"].items():
-        result.heatmaps[label] = plot_heatmap(m["cells"], lengths, depths, f"NIAH accuracy: {label}",
-                                              out / f"heatmap_{safe_label(label)}.png")
-    return result
+    return _write_sweep(Path(out_dir), records, summary, list(summary["methods"]), lengths, depths)

@@ -23,12 +23,14 @@ from .base import (
     bookkeeping_bytes,
     kv_cache_bytes,
 )
+from .bilevel import BiLevel
 from .chunked import Chunked
 from .full import FullAttention
 from .h2o import H2O
 from .head_pattern import HeadPattern, available_head_patterns, load_head_pattern
 from .knorm import KNorm
 from .kvquant import KVQuant
+from .longheads import LongHeads
 from .pyramidkv import PyramidKV
 from .quest import Quest
 from .retrieval_heads import RazorAttention, RetrievalHeads
@@ -53,6 +55,8 @@ METHODS: dict[str, type[KVMethod]] = {
     "quest": Quest,
     "adakv": AdaKV,
     "kvquant": KVQuant,
+    "bilevel": BiLevel,
+    "longheads": LongHeads,
 }
 
 
@@ -88,6 +92,8 @@ __all__ = [
     "Quest",
     "AdaKV",
     "KVQuant",
+    "LongHeads",
+    "BiLevel",
     "HeadPattern",
     "load_head_pattern",
     "available_head_patterns",

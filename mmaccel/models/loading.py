@@ -89,7 +89,8 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> st
     )
 
 
-def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None, cache_dir=None):
+def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None, cache_dir=None,
+         device_map=None):
     """Load a causal LM (or vision-language model) and its tokenizer or processor.
 
     Parameters
@@ -99,19 +100,26 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         ``mmaccel zoo list``), a local HF checkpoint directory, or a hub id (``org/name``; needs network access and
         no ``HF_HUB_OFFLINE``).
     device : str
-        ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:N]"``.
+        ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:N]"``. With ``device_map`` it only picks
+        the default dtype.
     dtype : torch.dtype or str, optional
         Default: bfloat16 on CUDA, float32 on CPU.
     attn_implementation : str, optional
         ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"`` or ``"mmaccel"``.
     cache_dir : path, optional
         Where fetched zoo models are cached (default ``$XDG_CACHE_HOME/mmaccel/models``).
+    device_map : str or dict, optional
+        Passed to ``from_pretrained`` for checkpoints too large for one device: accelerate places the weights as they
+        load (``"auto"``, ``"balanced"``, ``"sequential"``, or a ``{module name: device}`` dict; layers that fit
+        nowhere are offloaded to CPU memory), and the model is not moved afterwards. Default ``None``: load, then
+        move the whole model to ``device``.
 
     Returns
     -------
     (model, tokenizer)
-        The model in eval mode on ``device``; the tokenizer, or the processor for multimodal checkpoints, or the
-        image processor for a vision encoder (e.g. ``dinov2-small`` -> ``Dinov2Model``).
+        The model in eval mode on ``device`` (or where ``device_map`` put it: ``model.hf_device_map`` when that is
+        more than one device); the tokenizer, or the processor for multimodal checkpoints, or the image processor for
+        a vision encoder (e.g. ``dinov2-small`` -> ``Dinov2Model``).
 
     Raises
     ------
@@ -145,6 +153,8 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     except ValueError as exc:
         raise ModelLoadError(f"unsupported architecture in {source}: {exc}") from exc
     kwargs = {"dtype": torch_dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = None
@@ -166,7 +176,9 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
             f"unsupported architecture {archs} (model_type {config.model_type!r}) in {source}: mmaccel loads causal "
             f"LMs and image-text-to-text models ({'; '.join(errors)})"
         )
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    model.eval()
     tokenizer = _load_tokenizer(source, AutoTokenizer)
     return model, tokenizer
 
