@@ -206,23 +206,11 @@ def _round(x, nd=4):
 
 
 def record_rows(rec) -> list[list]:
-    """Metric rows ``[name, number]`` of a :class:`~mmaccel.eval.generation.RunRecord` (``None`` where unknown)."""
-    tel = rec.telemetry or {}
-    rows = [
-        ["TTFT (s)", _round(rec.ttft_s)],
-        ["decode time (s)", _round(rec.decode_s)],
-        ["tokens/s", _round(rec.tokens_per_s, 2)],
-        ["peak memory (MiB)", _mib(rec.peak_memory_bytes)],
-        ["KV after prefill (MiB)", _mib(rec.kv_cache_bytes_prefill)],
-        ["KV at end (MiB)", _mib(rec.kv_cache_bytes_final)],
-        ["prompt tokens", rec.prompt_tokens],
-        ["new tokens", rec.new_tokens],
-    ]
-    if tel.get("mean_accepted_length") is not None or rec.method_name == AUTOREGRESSIVE:
-        rows.append(["mean accepted length", _round(tel.get("mean_accepted_length", 1.0), 3)])
-    if "correct" in rec.extra:
-        rows.append(["correct (strict)", 1 if rec.extra["correct"] else 0])
-    return rows
+    """Metric rows ``[name, number]`` of a :class:`~mmaccel.eval.generation.RunRecord` (``None`` where unknown):
+    :func:`mmaccel.eval.plots.metric_rows`, with mean accepted length 1.0 for the autoregressive baseline."""
+    from mmaccel.eval.plots import metric_rows
+
+    return metric_rows(rec, mean_accepted_default=1.0 if rec.method_name == AUTOREGRESSIVE else None)
 
 
 def metrics_table(rows: list) -> dict:
@@ -230,40 +218,12 @@ def metrics_table(rows: list) -> dict:
     return {"headers": METRIC_HEADERS, "data": rows or [["-", None]]}
 
 
-RATIO_METRICS = ("TTFT (s)", "decode time (s)", "tokens/s", "peak memory (MiB)", "KV at end (MiB)")
-
-
 def ratio_figure(labels: list[str], results: list[ColumnResult]):
-    """A grouped bar plot: each metric of :data:`RATIO_METRICS` as a ratio to the first column (1.0 = the same);
+    """The ratio bar plot of :func:`mmaccel.eval.plots.ratio_figure` over the columns that produced a record;
     ``None`` when fewer than two columns succeeded or the first failed."""
-    import matplotlib
+    from mmaccel.eval.plots import ratio_figure as plot_ratios
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [(lab, r) for lab, r in zip(labels, results) if r is not None and r.record is not None]
-    if len(ok) < 2 or results[0] is None or results[0].record is None:
-        return None
-    base = dict(results[0].rows)
-    metrics = [m for m in RATIO_METRICS if base.get(m)]
-    if not metrics:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
-    width = 0.8 / len(ok)
-    for j, (lab, r) in enumerate(ok):
-        vals = dict(r.rows)
-        ys = [(vals.get(m) or 0) / base[m] for m in metrics]
-        xs = [i + (j - (len(ok) - 1) / 2) * width for i in range(len(metrics))]
-        bars = ax.bar(xs, ys, width, label=lab[:40])
-        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(metrics)), metrics, fontsize=8)
-    ax.set_ylabel(f"ratio to column 1 ({labels[0][:30]})", fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title("ratios to the first column (lower is better, except tokens/s)", fontsize=9)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return plot_ratios(labels, [r.rows if r is not None and r.record is not None else None for r in results])
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:

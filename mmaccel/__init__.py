@@ -27,4 +27,14 @@ def compare(*args, **kwargs):
     return _compare(*args, **kwargs)
 
 
-__all__ = ["__version__", "load", "compare"]
+def __getattr__(name):
+    """``mmaccel.Pipeline`` (:class:`mmaccel.pipeline.Pipeline`), imported on first use so ``import mmaccel`` stays
+    light (no torch) for the CLI."""
+    if name == "Pipeline":
+        from .pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'mmaccel' has no attribute {name!r}")
+
+
+__all__ = ["Pipeline", "__version__", "compare", "load"]

@@ -1,17 +1,18 @@
 """Side-by-side comparison of methods on one input: ``mmaccel.compare`` and ``mmaccel compare``.
 
 Every method runs in turn on the same prompt through :func:`~mmaccel.eval.generation.generate_measured`, so all rows
-have the same fields; the table, the JSON and the app are built from those records.
+have the same fields; the table, the JSON, the charts (:meth:`Comparison.plot`, the same ones the app draws, from
+:mod:`mmaccel.eval.plots`) and the app are built from those records.
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .generation import RunRecord, as_input_ids, generate_measured, resolve_methods
+from .generation import RunRecord, generate_measured, resolve_methods, split_inputs
 from .haystack import NIAHSample, score_answer, score_answer_contains
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,53 @@ class Comparison:
             path.write_text(text + "\n", encoding="utf-8")
         return text
 
+    def plot(self, kind: str = "ratios", path=None):
+        """Draw the comparison as the app does.
+
+        Parameters
+        ----------
+        kind : {"ratios", "niah"}
+            ``"ratios"``: a grouped bar plot, one group per metric (TTFT, vision-encoder and prefill seconds when
+            measured, decode time, tokens/s, peak memory, KV bytes), each bar a record's value divided by the first
+            record's (:func:`mmaccel.eval.plots.ratio_figure`). ``"niah"``: the NIAH accuracy heatmap of each method
+            (records of NIAH prompts; a comparison on one NIAH sample is a one-cell map).
+        path : str or os.PathLike, optional
+            Also write the figure there as a PNG (parent folders are created).
+
+        Returns
+        -------
+        matplotlib.figure.Figure
+
+        Raises
+        ------
+        ValueError
+            An unknown ``kind``; a ratio plot with fewer than two successful records or a failed first record (the
+            reference); a NIAH plot of records without NIAH lengths and depths.
+        """
+        from .plots import metric_rows, niah_figure, ratio_figure
+
+        if kind == "ratios":
+            fig = ratio_figure([r.method for r in self.records],
+                               [metric_rows(r) if r.ok else None for r in self.records])
+            if fig is None:
+                raise ValueError("a ratio plot needs at least two successful records, the first of them the reference; "
+                                 f"got statuses {[r.status for r in self.records]}")
+        elif kind == "niah":
+            niah = {k: self.inputs[k] for k in ("length", "depth") if k in self.inputs}
+            rows = []
+            for r in self.records:
+                row = r.to_dict()
+                row["extra"] = {**niah, **row["extra"]}
+                rows.append(row)
+            fig = niah_figure(rows)
+        else:
+            raise ValueError(f"unknown plot kind {kind!r}; choose 'ratios' or 'niah'")
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, format="png")
+        return fig
+
     def to_markdown(self) -> str:
         """A Markdown table: method, answer, correct, TTFT (s), tok/s, peak mem, KV bytes, KV ratio vs full.
 
@@ -132,8 +180,9 @@ def compare(
     ----------
     model, tokenizer
         Any Hugging Face causal LM and its tokenizer.
-    inputs : str, list of int, torch.Tensor [L] or [1, L], or NIAHSample
-        One prompt. A NIAH sample also supplies the expected answer.
+    inputs : str, list of int, torch.Tensor [L] or [1, L], NIAHSample, or a mapping
+        One prompt. A NIAH sample also supplies the expected answer. A mapping is a vision-language processor's
+        output (``input_ids`` plus ``pixel_values``, ...), passed whole to every run.
     methods : sequence of str or KVMethod
         Specs such as ``["full", "snapkv:budget=256", "streaming:window=256"]`` (default :data:`DEFAULT_METHODS`).
     max_new_tokens, repeats, warmup : int
@@ -161,13 +210,14 @@ def compare(
         answer = answer if answer is not None else inputs.answer
         info.update(length=inputs.length, depth=inputs.depth, key=inputs.key, needle_position=inputs.needle_position,
                     chat_template=inputs.chat_template)
-    ids = as_input_ids(inputs, tokenizer)
+    ids, _ = split_inputs(inputs, tokenizer)
     info["prompt_tokens"] = int(ids.shape[1])
+    prompt = inputs if isinstance(inputs, Mapping) else ids
     records = []
     for method, label in resolved:
         logger.info("compare: running %s on %d tokens", label, ids.shape[1])
         rec = generate_measured(
-            model, tokenizer, ids, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
+            model, tokenizer, prompt, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
             warmup=warmup, warmup_ids=warmup_inputs,
         )
         if "chat_template" in info:

@@ -17,6 +17,15 @@ method share that path:
 Speculative records' telemetry holds the mean accepted length, the acceptance rate, draft/verify seconds and target
 forward counts.
 
+Composition
+-----------
+The same path runs the composed pipeline (:class:`mmaccel.Pipeline`): ``vision=`` (a visual-token method,
+:data:`mmaccel.vision_tokens.METHODS`) is applied around every run with ``with vision.apply(model):``, and ``kv=``
+stacks a KV-cache method under an engine drafter: its ``make_cache(model)`` is the cache the speculative engine
+decodes into. Vision-language inputs (a processor's output: ``input_ids`` plus ``pixel_values``, ``image_sizes`` /
+``image_grid_thw``, ...) go to ``generate`` as they are, and to the engine's prefill forward only.
+:func:`check_composition` refuses, up front, the pairs that cannot be exact together.
+
 Timing
 ------
 A :class:`~transformers.LogitsProcessor` probe is called by ``generate`` once per new token, right after the forward
@@ -27,6 +36,10 @@ that produced its logits. Its first call therefore marks the end of prefill:
   forwards, seconds.
 - ``tokens_per_s``: ``(new_tokens - 1) / decode_s`` (decode throughput; the first token is counted in TTFT);
   ``None`` when fewer than two tokens were generated.
+- ``vision_encoder_s``: seconds inside the vision tower's forwards during the run (forward hooks on the tower of a
+  vision-language model, removed on exit); ``None`` when the model has no tower or it did not run.
+- ``prefill_s``: ``ttft_s - vision_encoder_s`` (``ttft_s`` without a tower): everything before the first token that
+  is not the vision encoder -- projector, language-model prefill, the first logits.
 
 On CUDA every timestamp is taken after ``torch.cuda.synchronize``. ``warmup`` unrecorded runs come first; the record
 holds the median of ``repeats`` measured runs (each run's numbers are kept in ``RunRecord.samples``).
@@ -42,11 +55,12 @@ prefill (at the first probe call, i.e. after any prefill-time compression) and w
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,7 +74,7 @@ from .memory import PeakMemory
 
 logger = logging.getLogger(__name__)
 
-_TIMED_FIELDS = ("ttft_s", "decode_s", "tokens_per_s", "peak_memory_bytes")
+_TIMED_FIELDS = ("ttft_s", "decode_s", "tokens_per_s", "peak_memory_bytes", "vision_encoder_s", "prefill_s")
 
 
 @dataclass
@@ -86,6 +100,12 @@ class RunRecord:
         Time to first token and decode time, seconds (medians over ``repeats``).
     tokens_per_s : float or None
         Decode throughput, ``(new_tokens - 1) / decode_s``, tokens per second.
+    vision_encoder_s, prefill_s : float or None
+        Seconds in the vision tower, and ``ttft_s`` minus them (medians; see the module docstring). ``vision_encoder_s``
+        is ``None`` without a vision tower run.
+    visual_tokens, visual_tokens_kept : int or None
+        Visual tokens of the prompt before and after the visual-token method (summed over images; ``None`` without
+        a vision method). The method's own facts are in ``telemetry["vision"]``.
     peak_memory_bytes : int or None
         Peak memory growth during the run, bytes; how it was measured is in ``peak_memory_method``.
     peak_memory_method : str
@@ -96,7 +116,8 @@ class RunRecord:
         The method's own facts, JSON-serialisable: ``KVMethod.telemetry`` for KV-cache methods; for speculative
         methods and transformers peers the acceptance (``mean_accepted_length``, ``acceptance_rate``), forward counts
         (``target_forwards``, ``draft_forwards``) and the draft/verify time split in seconds (see
-        :mod:`mmaccel.speculative.harness`).
+        :mod:`mmaccel.speculative.harness`). A composed run adds ``telemetry["vision"]`` (the visual-token method's
+        ``telemetry``) and, for a KV method under a speculative method, ``telemetry["kv"]`` (``KVMethod.telemetry``).
     repeats, warmup : int
         Measured and warm-up runs behind the medians.
     device : str
@@ -109,7 +130,8 @@ class RunRecord:
         The machine's 1-minute load average when the run started (``os.getloadavg``): a busy machine explains slow
         timings. ``None`` where the OS has none.
     samples : list of dict
-        Per measured run: ``ttft_s``, ``decode_s``, ``tokens_per_s``, ``peak_memory_bytes``.
+        Per measured run: ``ttft_s``, ``decode_s``, ``tokens_per_s``, ``peak_memory_bytes``, ``vision_encoder_s``,
+        ``prefill_s``.
     extra : dict
         Free-form, e.g. ``answer``/``correct``, NIAH ``length``/``depth``/``trial``.
     """
@@ -125,6 +147,10 @@ class RunRecord:
     ttft_s: float | None = None
     decode_s: float | None = None
     tokens_per_s: float | None = None
+    vision_encoder_s: float | None = None
+    prefill_s: float | None = None
+    visual_tokens: int | None = None
+    visual_tokens_kept: int | None = None
     peak_memory_bytes: int | None = None
     peak_memory_method: str = "unavailable"
     kv_cache_bytes_prefill: int | None = None
@@ -243,6 +269,222 @@ def as_input_ids(inputs, tokenizer=None) -> torch.Tensor:
     return ids
 
 
+def split_inputs(inputs, tokenizer=None) -> tuple[torch.Tensor, dict]:
+    """A prompt as ``(input_ids, model_inputs)``: the token ids and a vision-language model's other inputs.
+
+    Parameters
+    ----------
+    inputs : str, list of int, torch.Tensor, an object with ``input_ids``, or a mapping
+        A mapping (a processor's ``BatchFeature`` or a dict) holds ``input_ids`` [1, L] and any of
+        ``attention_mask`` (all ones), ``pixel_values``, ``image_sizes``, ``image_grid_thw``,
+        ``mm_token_type_ids``, ...; the other forms are text prompts (see :func:`as_input_ids`).
+
+    Returns
+    -------
+    input_ids : torch.LongTensor
+        [1, L].
+    model_inputs : dict
+        The mapping's entries other than ``input_ids`` and ``attention_mask`` (empty for a text prompt).
+
+    Raises
+    ------
+    ValueError
+        A mapping without ``input_ids``, an attention mask with padding (one unpadded prompt is measured), or any
+        error of :func:`as_input_ids`.
+    """
+    if not isinstance(inputs, Mapping):
+        return as_input_ids(inputs, tokenizer), {}
+    if "input_ids" not in inputs:
+        raise ValueError(f"the inputs mapping has no input_ids (keys: {', '.join(map(str, inputs))}); pass the "
+                         "processor's output, e.g. processor(images=..., text=..., return_tensors='pt')")
+    ids = as_input_ids(inputs["input_ids"], tokenizer)
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError("the attention mask has padding; measured generation takes one unpadded prompt")
+    return ids, {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+
+
+def _to_model(model_inputs: dict, device: torch.device, dtype: torch.dtype | None) -> dict:
+    """Tensors moved to the model's device; floating-point ones (pixel values) also to its dtype."""
+    out = {}
+    for k, v in model_inputs.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device=device, dtype=dtype) if v.is_floating_point() and dtype is not None else v.to(device)
+        out[k] = v
+    return out
+
+
+def _misplaced(name: str, slot: str) -> str:
+    """A hint when a spec name belongs to another slot than ``slot`` (``""`` when it belongs nowhere)."""
+    from ..speculative import speculative_method_names
+    from ..vision_tokens import METHODS as VISION_METHODS
+
+    owners = [("vision", VISION_METHODS), ("kv", KV_METHODS), ("speculative", speculative_method_names())]
+    for other, names in owners:
+        if other != slot and name in names:
+            return f"; {name!r} is a {other} method: pass it as {other}={name!r}"
+    return ""
+
+
+def _resolve_spec(spec: str, slot: str, names, build, kind: str, example: str) -> tuple[Any, str]:
+    """Build the method a spec names in the registry ``names`` of ``slot``; ``(method, spec text)``.
+
+    Raises
+    ------
+    ValueError
+        An unknown name: the message lists ``names`` and, when the name belongs to another slot, says which.
+    """
+    name = parse_method_spec(spec).name
+    if name not in names:
+        raise ValueError(f"unknown {kind} {name!r}; {kind}s: {', '.join(sorted(names))} (e.g. {example!r})"
+                         f"{_misplaced(name, slot)}")
+    return build(spec), spec.strip()
+
+
+def resolve_vision(vision) -> tuple[Any, str | None]:
+    """Turn ``None``, a visual-token spec or a :class:`~mmaccel.vision_tokens.VisionTokenMethod` into
+    ``(method, label)``; ``(None, None)`` for ``None`` (off).
+
+    Raises
+    ------
+    ValueError
+        An unknown name (the message lists :data:`mmaccel.vision_tokens.METHODS`, and says where a KV or speculative
+        name belongs), a bad argument, or an object that is not a visual-token method.
+    """
+    from ..vision_tokens import METHODS as VISION_METHODS
+    from ..vision_tokens import VisionTokenMethod
+    from ..vision_tokens import build_method as build_vision
+
+    if vision is None:
+        return None, None
+    if isinstance(vision, str):
+        return _resolve_spec(vision, "vision", VISION_METHODS, build_vision, "visual-token method",
+                             "pooling:keep_ratio=0.25")
+    if isinstance(vision, VisionTokenMethod):
+        return vision, vision.name
+    raise ValueError(f"vision must be a visual-token spec such as 'pooling:keep_ratio=0.25' or a VisionTokenMethod, "
+                     f"got {type(vision).__name__}")
+
+
+def resolve_kv(kv) -> tuple[Any, str | None]:
+    """Turn ``None``, a KV-cache spec or a :class:`~mmaccel.longctx.KVMethod` into ``(method, label)``;
+    ``(None, None)`` for ``None``.
+
+    Raises
+    ------
+    ValueError
+        An unknown name (the message lists :data:`mmaccel.longctx.METHODS`, and says where a visual-token or
+        speculative name belongs), a bad argument, or an object without ``make_cache``.
+    """
+    if kv is None:
+        return None, None
+    if isinstance(kv, str):
+        return _resolve_spec(kv, "kv", KV_METHODS, build_method, "KV-cache method", "snapkv:budget=256")
+    if hasattr(kv, "make_cache") and not hasattr(kv, "timed_generate"):
+        return kv, getattr(kv, "name", type(kv).__name__)
+    raise ValueError(f"kv must be a KV-cache spec such as 'snapkv:budget=256' or a KVMethod, got {type(kv).__name__}")
+
+
+def resolve_speculative(speculative, *, draft=None) -> tuple[Any, str | None]:
+    """Turn ``None``, a speculative spec, a :class:`~mmaccel.speculative.Drafter` or a speculative method object into
+    ``(method, label)``; ``(None, None)`` for ``None``. ``draft`` is the draft model of a ``"draft"`` spec that
+    names no ``model=``.
+
+    Raises
+    ------
+    ValueError
+        An unknown name (the message lists drafters and transformers peers, and says where a visual-token or KV
+        name belongs), a bad argument, or an object that is not a speculative method.
+    """
+    from ..speculative import speculative_method_names
+
+    if speculative is None:
+        return None, None
+    if isinstance(speculative, str):
+        return _resolve_spec(speculative, "speculative", speculative_method_names(),
+                             lambda spec: resolve_method(spec, draft=draft)[0], "speculative method", "prompt_lookup")
+    method, label = resolve_method(speculative, draft=draft)
+    if not hasattr(method, "timed_generate"):
+        raise ValueError(f"speculative must be a drafter or speculative method, got {type(speculative).__name__}")
+    return method, label
+
+
+def _croppable(kv, model) -> bool:
+    """Whether ``kv``'s cache can be rolled back (every layer croppable) and stays passive (no hooks that would
+    read the engine's multi-token verification forwards as prefill chunks)."""
+    if getattr(kv, "uses_hooks", False):
+        return False
+    cache = kv.make_cache(model)
+    try:
+        return all(getattr(layer, "is_croppable", True) for layer in getattr(cache, "layers", []))
+    finally:
+        close = getattr(cache, "close", None)
+        if callable(close):
+            close()
+
+
+def check_composition(model, method, *, kv=None, vision=None) -> None:
+    """Refuse, before any run, a composition of a visual-token method, a KV method and a speculative method that
+    cannot run exactly together.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+    method : KV-cache method, speculative method or transformers peer
+        What runs the generation (resolved, see :func:`resolve_method`).
+    kv : KVMethod, optional
+        A KV method stacked under a speculative ``method`` (its cache is the engine's).
+    vision : VisionTokenMethod, optional
+
+    Raises
+    ------
+    UnsupportedModelError
+        (a ``ValueError``) ``vision`` on a model it does not support (e.g. a text-only LM).
+    ValueError
+        - ``kv`` with a ``method`` that is itself a KV method (give one);
+        - ``kv`` other than ``full`` under transformers' own speculative paths (``generate`` builds their cache);
+        - a ``kv`` that evicts, quantises or hooks attention under an engine drafter: the engine crops the cache
+          to drop rejected drafts, which such a cache cannot undo;
+        - an in-LLM visual-token method (FastV) with any speculative method: it picks tokens with the attention of
+          the prompt's last token at the prefill forward, which the engine verifies later instead;
+        - any visual-token method with transformers' peers: their rollback crops to absolute sequence lengths,
+          which a reduced cache no longer has.
+    """
+    speculative = hasattr(method, "timed_generate")
+    name = getattr(method, "name", type(method).__name__)
+    if vision is not None:
+        vision.check(model)
+        if speculative and vision.stage == "in-llm":
+            raise ValueError(
+                f"vision={vision.name!r} conflicts with speculative={name!r}: {vision.name} picks visual tokens with the "
+                "attention of the prompt's last token in the prefill forward, and speculative decoding prefills the "
+                "prompt without its last token (it is verified with the first drafts), so the kept tokens and the "
+                f"output would differ from {vision.name} alone; use a pre-LLM method (pooling, visionzip, prumerge, "
+                "tome) with speculative decoding, or speculative=None")
+        if getattr(method, "kind", "") == "transformers":
+            raise ValueError(
+                f"vision={vision.name!r} conflicts with speculative={name!r}: transformers' assisted generation rolls "
+                "its cache back to absolute sequence lengths, which a visual-token reduction shortens; use an engine "
+                "drafter (draft, prompt_lookup, jacobi)")
+    if kv is None:
+        return
+    kv_name = getattr(kv, "name", type(kv).__name__)
+    if not speculative:
+        raise ValueError(f"kv={kv_name!r} and the KV method {name!r} both set the cache; give one KV method")
+    if getattr(method, "kind", "") == "transformers":
+        if kv_name != "full":
+            raise ValueError(f"kv={kv_name!r} conflicts with speculative={name!r}: transformers' generate builds that "
+                             "peer's cache itself; use an engine drafter (draft, prompt_lookup, jacobi) with a KV "
+                             "method, or kv='full'")
+        return
+    if not _croppable(kv, model):
+        raise ValueError(
+            f"kv={kv_name!r} conflicts with speculative={name!r}: speculative decoding crops the cache after each "
+            f"step to drop rejected draft tokens, and {kv_name} evicts, quantises or re-scores the cache in ways a "
+            f"crop cannot undo (its cache is not croppable); use kv='full' with speculative decoding, or "
+            f"speculative=None with {kv_name}")
+
+
 # ------------------------------------------------------------------------------------------------------- probes
 def _sync(device: torch.device) -> None:
     """Wait for queued CUDA work on ``device`` (no-op elsewhere)."""
@@ -292,9 +534,10 @@ class _KVCacheRun:
     def __init__(self, method):
         self.method = method
 
-    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict) -> dict:
-        """One ``generate``; returns the new ids, TTFT/decode seconds, K/V bytes after prefill and at the end, and
-        the method's telemetry."""
+    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict,
+                       model_inputs: dict | None = None) -> dict:
+        """One ``generate`` from ``input_ids`` [1, L] (plus a VLM's ``model_inputs``, e.g. ``pixel_values``); returns
+        the new ids, TTFT/decode seconds, K/V bytes after prefill and at the end, and the method's telemetry."""
         method, device = self.method, input_ids.device
         cache = method.make_cache(model)
         probe = _StepProbe(cache, device)
@@ -308,6 +551,7 @@ class _KVCacheRun:
                 max_new_tokens=max_new_tokens,
                 logits_processor=LogitsProcessorList([probe]),
                 **gen_kwargs,
+                **(model_inputs or {}),
             )
             _sync(device)
             t_end = time.perf_counter()
@@ -332,16 +576,106 @@ def runner_for(method):
     return method if hasattr(method, "timed_generate") else _KVCacheRun(method)
 
 
-def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict) -> dict:
-    """One timed generation of any method; returns timings, memory, K/V bytes, telemetry and the new ids."""
+class _VisionTimer:
+    """Seconds spent in the forwards of a model's vision tower, by per-instance forward hooks removed on exit.
+
+    ``seconds`` is ``None`` when the model has no tower (found by attribute: ``vision_tower``, ``visual`` or
+    ``vision_model`` on the model or its inner ``model``) or the tower did not run.
+    """
+
+    def __init__(self, model, device: torch.device):
+        self.tower = vision_tower(model)
+        self.device = device
+        self.seconds: float | None = None
+        self._starts: list[float] = []
+        self._handles: list = []
+
+    def _pre(self, module, args):
+        _sync(self.device)
+        self._starts.append(time.perf_counter())
+
+    def _post(self, module, args, output):
+        _sync(self.device)
+        if self._starts:
+            self.seconds = (self.seconds or 0.0) + time.perf_counter() - self._starts.pop()
+
+    def __enter__(self):
+        if self.tower is not None:
+            self._handles = [self.tower.register_forward_pre_hook(self._pre),
+                             self.tower.register_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """The vision encoder of a vision-language model (``vision_tower`` / ``visual`` / ``vision_model`` on the model or
+    its inner ``model``), or ``None`` for a text-only model."""
+    for owner in (model, getattr(model, "model", None)):
+        for name in ("vision_tower", "visual", "vision_model"):
+            tower = getattr(owner, name, None)
+            if isinstance(tower, torch.nn.Module):
+                return tower
+    return None
+
+
+def _total(value) -> int | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return int(sum(value))
+    return None
+
+
+def visual_token_counts(telemetry: dict) -> tuple[int | None, int | None]:
+    """``(before, kept)`` visual tokens from a visual-token method's ``telemetry`` (summed over images), whatever
+    its stage names them: ``image_tokens_before/after`` (in-LLM pruning), ``tokens_before/after`` (pre-LLM and
+    in-tower methods); ``(None, None)`` when it reports neither."""
+    for before, after in (("image_tokens_before", "image_tokens_after"), ("tokens_before", "tokens_after")):
+        if before in telemetry and after in telemetry:
+            return _total(telemetry[before]), _total(telemetry[after])
+    return None, None
+
+
+def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict, *, vision=None,
+             kv=None, model_inputs: dict | None = None) -> dict:
+    """One timed generation of any method, composed with a visual-token method (applied around the run) and a KV
+    method under a speculative one (its cache is the engine's); returns timings, memory, K/V bytes, telemetry and
+    the new ids."""
     device = input_ids.device
-    with PeakMemory(device) as mem:
-        run = runner_for(method).timed_generate(model, input_ids, max_new_tokens=max_new_tokens,
-                                                gen_kwargs=gen_kwargs)
+    extra: dict = {"model_inputs": model_inputs} if model_inputs else {}
+    cache = kv.make_cache(model) if kv is not None else None
+    if cache is not None:
+        extra["cache"] = cache
+    try:
+        with contextlib.ExitStack() as stack:
+            if vision is not None:
+                vision.telemetry = {}
+                stack.enter_context(vision.apply(model))
+            timer = stack.enter_context(_VisionTimer(model, device))
+            with PeakMemory(device) as mem:
+                run = runner_for(method).timed_generate(model, input_ids, max_new_tokens=max_new_tokens,
+                                                        gen_kwargs=gen_kwargs, **extra)
+        if cache is not None:
+            run["telemetry"] = {**run["telemetry"], "kv": kv.telemetry(cache)}
+    finally:
+        close = getattr(cache, "close", None)
+        if callable(close):
+            close()
+    if vision is not None:
+        run["telemetry"] = {**run["telemetry"], "vision": dict(vision.telemetry)}
+        run["visual_tokens"], run["visual_tokens_kept"] = visual_token_counts(vision.telemetry)
     n, decode_s = len(run["new_ids"]), run["decode_s"]
     run["tokens_per_s"] = (n - 1) / decode_s if n > 1 and decode_s and decode_s > 0 else None
     run["peak_memory_bytes"] = mem.peak
     run["peak_memory_method"] = mem.method
+    run["vision_encoder_s"] = timer.seconds
+    run["prefill_s"] = None if run["ttft_s"] is None else run["ttft_s"] - (timer.seconds or 0.0)
     return run
 
 
@@ -379,17 +713,24 @@ def generate_measured(
     warmup_ids=None,
     temperature: float = 0.0,
     draft=None,
+    vision=None,
+    kv=None,
+    raise_errors: bool = False,
 ) -> RunRecord:
-    """Generate from one prompt with a KV-cache, speculative or transformers-peer method and measure it.
+    """Generate from one prompt with a KV-cache, speculative or transformers-peer method -- optionally composed with
+    a visual-token method and a KV method under the speculative one -- and measure it.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        Any Hugging Face causal LM; it is run under ``torch.inference_mode``.
+        Any Hugging Face causal LM or vision-language model (LLaVA, Qwen2-VL); it is run under
+        ``torch.inference_mode``.
     tokenizer : a Hugging Face tokenizer
         Decodes the output; supplies EOS/pad when the model's generation config has none.
-    input_ids : str, list of int, torch.Tensor [L] or [1, L], or an object with ``input_ids``
-        One prompt (batch size 1).
+    input_ids : str, list of int, torch.Tensor [L] or [1, L], an object with ``input_ids``, or a mapping
+        One prompt (batch size 1). A mapping is a processor's output: ``input_ids`` [1, L] plus a VLM's
+        ``pixel_values``, ``image_sizes`` / ``image_grid_thw``, ``mm_token_type_ids``, ... (see
+        :func:`split_inputs`); floating-point tensors are cast to the model's dtype.
     method : None, str or a method object
         ``None`` = full attention; a spec: a KV-cache method (``"streaming:window=256"``; a fresh cache is built for
         every run with ``method.make_cache(model)``), an engine drafter (``"draft:model=micro-draft:k=4"``,
@@ -412,19 +753,32 @@ def generate_measured(
         sampling for drafters; ``generate(do_sample=True)`` otherwise).
     draft : str or transformers.PreTrainedModel, optional
         Draft model for ``draft`` / ``hf_assisted`` specs that name no ``model=``.
+    vision : None, str or VisionTokenMethod
+        A visual-token method (``"pooling:keep_ratio=0.25"``, :data:`mmaccel.vision_tokens.METHODS`), applied around
+        every run with ``with vision.apply(model):``; its ``telemetry`` goes to ``record.telemetry["vision"]`` and
+        the token counts to ``visual_tokens`` / ``visual_tokens_kept``. Needs image or video inputs.
+    kv : None, str or KVMethod
+        A KV-cache method. With a speculative ``method`` its fresh ``make_cache(model)`` is the engine's cache every
+        run (``record.telemetry["kv"]``); with ``method=None`` it is the method itself.
+    raise_errors : bool
+        Re-raise the exception of a failed run instead of returning a ``"failed"`` record.
 
     Returns
     -------
     RunRecord
         ``status="ok"``, or ``status="failed"`` with ``error`` when a run raised (e.g. ``torch.OutOfMemoryError``, an
         input longer than the model handles): failures of a run are recorded, not raised, so sweeps go on.
+        Timings include ``vision_encoder_s`` and ``prefill_s`` (see the module docstring).
 
     Raises
     ------
     ValueError
         Configuration errors, before any run: an unknown method or bad method arguments (e.g. a draft length
         ``k <= 0``), a draft model with another vocabulary or tokenizer, an empty or batched prompt,
-        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0`` or ``temperature < 0``.
+        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0`` or ``temperature < 0``; a composition that cannot
+        be exact (:func:`check_composition`), or ``vision`` without image/video inputs.
+    UnsupportedModelError
+        (a ``ValueError``) ``vision`` on a model the method does not support.
     """
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
@@ -432,10 +786,29 @@ def generate_measured(
         )
     if temperature is None or not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    method_obj, default_label = resolve_method(method, draft=draft)
+    kv_obj, kv_label = resolve_kv(kv)
+    vision_obj, vision_label = resolve_vision(vision)
+    if method is None and kv_obj is not None:
+        method_obj, default_label, kv_obj, kv_label = kv_obj, kv_label, None, None  # a KV method alone
+    else:
+        method_obj, default_label = resolve_method(method, draft=draft)
+        if kv_obj is not None and getattr(method_obj, "kind", "") == "transformers" and kv_obj.name == "full":
+            kv_obj = None  # generate's own DynamicCache is full attention
+    check_composition(model, method_obj, kv=kv_obj, vision=vision_obj)
+    if kv_obj is not None or vision_obj is not None:
+        default_label = " + ".join(x for x in (vision_label, kv_label, default_label) if x)
     device = getattr(model, "device", torch.device("cpu"))
-    ids = as_input_ids(input_ids, tokenizer).to(device)
-    warm_ids = ids if warmup_ids is None else as_input_ids(warmup_ids, tokenizer).to(device)
+    dtype = next(model.parameters()).dtype if hasattr(model, "parameters") else None
+    ids, model_inputs = split_inputs(input_ids, tokenizer)
+    ids, model_inputs = ids.to(device), _to_model(model_inputs, device, dtype)
+    if vision_obj is not None and not any(k in model_inputs for k in ("pixel_values", "pixel_values_videos")):
+        raise ValueError(f"vision={vision_label!r} needs image or video inputs; pass the processor's output (with "
+                         "pixel_values), e.g. processor(images=image, text=prompt, return_tensors='pt')")
+    if warmup_ids is None:
+        warm_ids, warm_inputs = ids, model_inputs
+    else:
+        warm_ids, warm_inputs = split_inputs(warmup_ids, tokenizer)
+        warm_ids, warm_inputs = warm_ids.to(device), _to_model(warm_inputs, device, dtype)
     record = RunRecord(
         method=label or default_label,
         method_name=getattr(method_obj, "name", None),
@@ -456,8 +829,12 @@ def generate_measured(
             if i == warmup:
                 record.load_avg_1m = load_average()
             try:
-                run = _one_run(model, method_obj, warm_ids if i < warmup else ids, max_new_tokens, gen_kwargs)
+                warm = i < warmup
+                run = _one_run(model, method_obj, warm_ids if warm else ids, max_new_tokens, gen_kwargs,
+                               vision=vision_obj, kv=kv_obj, model_inputs=warm_inputs if warm else model_inputs)
             except Exception as exc:  # noqa: BLE001 - a failed run is data; the sweep goes on
+                if raise_errors:
+                    raise
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 phase = "warm-up" if i < warmup else "measured"
@@ -479,6 +856,8 @@ def generate_measured(
     record.kv_cache_bytes_prefill = last["kv_cache_bytes_prefill"]
     record.kv_cache_bytes_final = last["kv_cache_bytes_final"]
     record.telemetry = _jsonable(last["telemetry"])
+    record.visual_tokens = last.get("visual_tokens")
+    record.visual_tokens_kept = last.get("visual_tokens_kept")
     return record
 
 

@@ -6,6 +6,11 @@ target, whose ``k + 1`` output distributions verify the drafts and supply one mo
 back to the committed tokens. The prompt minus its last token is the prefill, so every generated token, the first
 included, comes out of a verification forward.
 
+The rollback is relative: a step removes its ``k - m`` rejected slots from every layer, so the cache may hold fewer
+slots than committed tokens (a visual-token method that reduced the prompt at prefill, per layer for in-LLM pruning)
+or be a caller's croppable cache (a KV policy's ``make_cache``). A vision-language target gets its ``pixel_values``
+etc. (``model_inputs``) at the prefill forward only; M-RoPE targets (Qwen2-VL) get ``generate``'s 4-row position ids.
+
 Batch > 1 (left padding) shares one cache, so every row commits the same number of tokens per step: the minimum
 ``m`` of the rows' accepted counts (rows that are already finished do not count). Each row then appends its own first
 ``m`` draft tokens and the token at position ``m``: the target's correction/bonus token for the rows that stopped at
@@ -220,6 +225,63 @@ def _as_batch(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.long(), mask
 
 
+def _check_cache(cache):
+    """A caller's target cache: empty, and croppable layer by layer (rollback of rejected drafts).
+
+    Raises
+    ------
+    ValueError
+        A cache that already holds tokens, or one with a layer that cannot be cropped (e.g. an evicting KV policy).
+    """
+    if cache.get_seq_length() != 0:
+        raise ValueError("speculative_generate needs an empty cache; build a fresh one per generation")
+    stuck = [type(layer).__name__ for layer in getattr(cache, "layers", []) if not getattr(layer, "is_croppable", True)]
+    if stuck or not getattr(cache, "is_croppable", True):
+        raise ValueError(f"speculative decoding crops the cache to drop rejected draft tokens, and this "
+                         f"{type(cache).__name__} ({stuck[0] if stuck else 'cache'}) cannot be cropped; use a "
+                         "DynamicCache (the 'full' KV method)")
+    return cache
+
+
+def _multimodal(model, ids: torch.Tensor, mask: torch.Tensor, model_inputs: dict | None):
+    """The prefill's extra inputs and the position-id mapping of a vision-language target.
+
+    Returns
+    -------
+    prefill_inputs : dict
+        ``model_inputs`` with integer [B, L] tensors cut to the prefill's ``L - 1`` columns.
+    positions : callable
+        ``positions(text_positions [B, q], prefill=False)``: the target's ``position_ids``: the text positions
+        themselves, or ``[4, B, q]`` (text row + 3 M-RoPE rows) for a target whose inner model has ``get_rope_index``
+        and a prompt with image/video grids (prefill: the prompt's own 3-D positions; later: text + rope deltas).
+    """
+    if not model_inputs:
+        return {}, lambda text, prefill=False: text
+    config = model.config
+    placeholders = {getattr(config, k, None) for k in ("image_token_id", "video_token_id", "image_token_index")}
+    placeholders.discard(None)
+    B, L = ids.shape
+    if L < 2 or bool(torch.isin(ids[:, -1], torch.tensor(sorted(placeholders), device=ids.device)).any()):
+        raise ValueError("speculative decoding of a vision-language model prefills the prompt minus its last token, "
+                         "so the prompt must end with text after the image (e.g. the chat template's 'ASSISTANT:')")
+    prefill = {k: (v[:, :-1] if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (B, L)
+                   and not v.is_floating_point() else v) for k, v in model_inputs.items()}
+    get_rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+    grids = {k: model_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if model_inputs.get(k) is not None}
+    if not callable(get_rope_index) or not grids:
+        return prefill, lambda text, prefill=False: text
+    if model_inputs.get("mm_token_type_ids") is None:
+        raise ValueError("M-RoPE positions need mm_token_type_ids; pass the processor's full output")
+    rope, deltas = get_rope_index(ids, mm_token_type_ids=model_inputs["mm_token_type_ids"], attention_mask=mask,
+                                  **grids)  # [3, B, L], [B, 1]
+
+    def positions(text: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        spatial = rope[:, :, : text.shape[1]] if prefill else (text + deltas.to(text.device))[None].expand(3, -1, -1)
+        return torch.cat([text[None], spatial.to(text.device)], dim=0)
+
+    return prefill, positions
+
+
 @torch.inference_mode()
 def speculative_generate(
     model,
@@ -235,6 +297,8 @@ def speculative_generate(
     pad_token_id: int | None = None,
     attention_mask=None,
     generator: torch.Generator | None = None,
+    cache=None,
+    model_inputs: dict | None = None,
 ) -> SpeculativeOutput:
     """Decode with draft-and-verify: exact greedy, or lossless speculative sampling.
 
@@ -269,6 +333,15 @@ def speculative_generate(
         [B, L], 0 on left padding; default all ones.
     generator : torch.Generator, optional
         Randomness for sampling (uniforms, residual resampling and the draft model's draws), on the model's device.
+    cache : transformers.Cache, optional
+        The target's cache, empty (e.g. a KV policy's ``method.make_cache(model)``); default a fresh
+        ``DynamicCache``. Every layer must be croppable: rejected draft tokens are cut off it after each step.
+    model_inputs : dict, optional
+        Extra tensors of a vision-language target (``pixel_values``, ``image_sizes``, ``image_grid_thw``,
+        ``mm_token_type_ids``, ...), passed to the prefill forward only (the prompt minus its last token, which must
+        be text). Integer [B, L] tensors (per-token types) are cut like the prompt. A target whose inner model has
+        ``get_rope_index`` (Qwen2-VL's M-RoPE) gets its 3-D positions from it: ``[4, B, q]`` position ids (text row
+        + 3 M-RoPE rows), as ``generate`` passes them.
 
     Returns
     -------
@@ -280,8 +353,9 @@ def speculative_generate(
     ------
     ValueError
         ``temperature < 0``, ``num_draft_tokens <= 0``, ``max_new_tokens < 1``, bad ``top_k``/``top_p``, right
-        padding, or a drafter that cannot serve this target (e.g. a draft model with another vocabulary or
-        tokenizer); each message names the fix.
+        padding, a drafter that cannot serve this target (e.g. a draft model with another vocabulary or
+        tokenizer), a non-empty or non-croppable ``cache``, or ``model_inputs`` with a prompt of one token or one
+        that ends on an image/video placeholder; each message names the fix.
     TypeError
         If ``drafter`` is not a :class:`Drafter`.
 
@@ -310,7 +384,8 @@ def speculative_generate(
         schedule.reset()
 
     out = SpeculativeOutput(sequences=ids, prompt_length=L, drafter=getattr(drafter, "name", type(drafter).__name__))
-    cache = DynamicCache(config=model.config)
+    cache = _check_cache(cache) if cache is not None else DynamicCache(config=model.config)
+    prefill_inputs, positions = _multimodal(model, ids, mask, model_inputs)
     seq, seq_mask = ids, mask
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     new = 0
@@ -323,8 +398,9 @@ def speculative_generate(
         out.draft_seconds += time.perf_counter() - t0
         if L > 1:
             t0 = time.perf_counter()
-            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions_from_mask(mask)[:, :-1],
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+                  position_ids=positions(positions_from_mask(mask)[:, :-1], prefill=True), past_key_values=cache,
+                  use_cache=True, logits_to_keep=1, **prefill_inputs)
             _sync(device)
             out.prefill_seconds += time.perf_counter() - t0
             out.target_forwards += 1
@@ -351,7 +427,8 @@ def speculative_generate(
             step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
             step_mask = torch.cat([seq_mask, seq_mask.new_ones(B, k)], dim=1)
             start = positions_from_mask(seq_mask)[:, -1:]
-            position_ids = start + torch.arange(k + 1, device=device)[None]
+            position_ids = positions(start + torch.arange(k + 1, device=device)[None])
+            held = cache.get_seq_length()  # slots before this step (fewer than committed tokens after a reduction)
             logits = model(input_ids=step_in, attention_mask=step_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=True).logits[:, -(k + 1):]
             out.target_forwards += 1
@@ -383,8 +460,7 @@ def speculative_generate(
                 finished = now_done
             else:
                 chunk = chunk.masked_fill(finished[:, None], pad)
-            held = seq.shape[1]  # pending token + accepted drafts: the first `held + m` slots stay valid
-            crop_cache(cache, held + m)
+            crop_cache(cache, held + 1 + m)  # keep the pending token and the m accepted drafts
             _sync(device)
             out.verify_seconds += time.perf_counter() - t0
 

@@ -104,8 +104,13 @@ class SpeculativeMethod:
             self.drafter._load(model)
             check_same_vocabulary(self.drafter.model, model, self.drafter.tokenizer, self.drafter.target_tokenizer)
 
-    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict) -> dict:
+    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict,
+                       model_inputs: dict | None = None, cache=None) -> dict:
         """One speculative generation from ``input_ids`` [1, L].
+
+        ``model_inputs`` (a VLM's ``pixel_values``, ``image_grid_thw``, ...) go to the prefill forward; ``cache`` (an
+        empty, croppable cache such as a KV method's ``make_cache(model)``) replaces the engine's ``DynamicCache``
+        (see :func:`~mmaccel.speculative.speculative_generate`).
 
         Returns
         -------
@@ -120,7 +125,8 @@ class SpeculativeMethod:
         out = speculative_generate(
             model, input_ids, self.drafter, max_new_tokens=max_new_tokens, temperature=temperature,
             num_draft_tokens=self.num_draft_tokens, eos_token_id=gen_kwargs.get("eos_token_id"),
-            pad_token_id=gen_kwargs.get("pad_token_id"), attention_mask=torch.ones_like(input_ids),
+            pad_token_id=gen_kwargs.get("pad_token_id"), attention_mask=torch.ones_like(input_ids), cache=cache,
+            model_inputs=model_inputs,
         )
         telemetry = out.telemetry()
         telemetry.update(
@@ -209,8 +215,10 @@ class TransformersPeer:
     def _assistant(self):
         return None
 
-    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict) -> dict:
-        """One ``model.generate`` with this peer's kwargs; acceptance and timings from forward hooks.
+    def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict,
+                       model_inputs: dict | None = None) -> dict:
+        """One ``model.generate`` with this peer's kwargs (and a VLM's ``model_inputs``); acceptance and timings from
+        forward hooks.
 
         Returns
         -------
@@ -225,7 +233,7 @@ class TransformersPeer:
             _sync(device)
             t0 = time.perf_counter()
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                 return_dict_in_generate=True, **gen_kwargs, **extra)
+                                 return_dict_in_generate=True, **gen_kwargs, **extra, **(model_inputs or {}))
             _sync(device)
             t_end = time.perf_counter()
         new_ids = out.sequences[0, L:].tolist()
