@@ -13,18 +13,24 @@ Fair timing: every measured endpoint shares one queue slot (concurrency 1), so t
 a request the configurations run one after another on the same input, each after a warm-up run. Results stream in
 column by column; the Stop button cancels between columns.
 
-Endpoints (``api_name``): ``longctx``, ``niah_document``, ``generation``, ``niah_eval``, ``kernels``.
+Endpoints (``api_name``): ``longctx``, ``niah_document``, ``generation``, ``niah_eval``, ``kernels``, ``vision``.
+
+The Image & video tab runs a vision encoder (default ``dinov2-small``) under ``mmaccel.vision_tokens.METHODS`` and
+draws each column's final token -> patch assignment (``VisionTokenMethod.source_map()``) over the input.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import html
+import inspect
 import io
 import json
 import logging
+import statistics
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +112,22 @@ def text_model_choices() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------ documents
+def checked_upload(path, max_bytes: int) -> Path:
+    """The path of an uploaded file after the size check.
+
+    Raises
+    ------
+    InputError
+        A file over ``max_bytes`` (the message gives both sizes in MiB).
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise InputError(f"the uploaded file {p.name} is {size / 2**20:.1f} MiB; the limit is "
+                         f"{max_bytes / 2**20:.1f} MiB")
+    return p
+
+
 def read_upload(path: str | None, max_bytes: int) -> str | None:
     """The text of an uploaded file (Gradio keeps it in its temp folder), or ``None`` when there is none.
 
@@ -116,11 +138,7 @@ def read_upload(path: str | None, max_bytes: int) -> str | None:
     """
     if not path:
         return None
-    p = Path(path)
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise InputError(f"the uploaded file {p.name} is {size / 2**20:.1f} MiB; the limit is "
-                         f"{max_bytes / 2**20:.1f} MiB")
+    p = checked_upload(path, max_bytes)
     data = p.read_bytes()
     if b"\x00" in data:
         raise InputError(f"the uploaded file {p.name} is not a text file (it contains NUL bytes); upload UTF-8 text")
@@ -218,12 +236,15 @@ def metrics_table(rows: list) -> dict:
     return {"headers": METRIC_HEADERS, "data": rows or [["-", None]]}
 
 
-def ratio_figure(labels: list[str], results: list[ColumnResult]):
+def ratio_figure(labels: list[str], results: list[ColumnResult], metrics: tuple[str, ...] | None = None):
     """The ratio bar plot of :func:`mmaccel.eval.plots.ratio_figure` over the columns that produced a record;
-    ``None`` when fewer than two columns succeeded or the first failed."""
+    ``None`` when fewer than two columns succeeded or the first failed. ``metrics``: the metric rows to draw
+    (default :data:`mmaccel.eval.plots.RATIO_METRICS`)."""
+    from mmaccel.eval.plots import RATIO_METRICS
     from mmaccel.eval.plots import ratio_figure as plot_ratios
 
-    return plot_ratios(labels, [r.rows if r is not None and r.record is not None else None for r in results])
+    return plot_ratios(labels, [r.rows if r is not None and r.record is not None else None for r in results],
+                       metrics or RATIO_METRICS)
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
@@ -270,6 +291,429 @@ def with_draft_length(spec: str, num_draft_tokens: int) -> str:
     return spec if "k" in parse_method_spec(spec).kwargs else f"{spec}:k={int(num_draft_tokens)}"
 
 
+# -------------------------------------------------------------------------------------------------- image & video
+NO_METHOD = "none"
+"""The Image & video tab's baseline: the unmodified encoder."""
+SAMPLE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry")
+"""scikit-image photos that ship inside the package (``skimage.data``; no download)."""
+SCENE_SAMPLE = "generated scene (seed)"
+VISION_SAMPLES = [*SAMPLE_PHOTOS, SCENE_SAMPLE]
+VISION_RATIO_METRICS = ("vision encoder (s)", "images/s", "visual tokens kept")
+"""Metrics of the Image & video tab's ratio plot."""
+VISION_DEFAULTS = [(NO_METHOD, None), ("tome", {"keep_ratio": 0.5}), ("tome", {"keep_ratio": 0.25}), ("tome", {"r": 8})]
+"""The method and starting field values of each column of the Image & video tab."""
+OVERLAY_SIDE = 448
+"""Overlays are the encoder's input upscaled by a whole factor to at least this many pixels on the long side."""
+STAGE_WHERE = {"vision": "inside the ViT tower", "pre-llm": "between a VLM's projector and its language model",
+               "in-llm": "inside a VLM's language model"}
+_MERGE_ALPHA = 0.55  # share of a merged token's colour in its patches
+_EDGE_RGB = (20, 20, 20)
+
+
+def vision_model_choices() -> list[str]:
+    """Zoo names of the models the Image & video tab lists: the fetched models that are not text-only causal LMs
+    (vision encoders such as ``dinov2-small``; vision-language models once the zoo has one)."""
+    from mmaccel.models import FETCHED
+
+    return [n for n, e in FETCHED.items() if not e.model_class.endswith("CausalLM")]
+
+
+def sample_image(name: str, seed: int = 0):
+    """A sample image as RGB.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`SAMPLE_PHOTOS` (a scikit-image photo) or :data:`SCENE_SAMPLE`.
+    seed : int
+        For :data:`SCENE_SAMPLE`: the seed of :func:`mmaccel.data.scenes.make_scene` (>= 0; 168 px, 2-5 objects).
+
+    Returns
+    -------
+    PIL.Image.Image
+
+    Raises
+    ------
+    InputError
+        An unknown sample name, a negative seed, or a photo this scikit-image cannot load.
+    """
+    from PIL import Image
+
+    if name == SCENE_SAMPLE:
+        from mmaccel.data.scenes import make_scene
+
+        if int(seed) < 0:
+            raise InputError(f"the scene seed must be >= 0, got {seed}")
+        return make_scene(int(seed)).image.convert("RGB")
+    if name not in SAMPLE_PHOTOS:
+        raise InputError(f"unknown sample {name!r}; samples: {', '.join(VISION_SAMPLES)}")
+    try:
+        from skimage import data
+    except ImportError as exc:
+        raise InputError(f"the sample photos need scikit-image ({exc}); upload an image instead") from exc
+    try:
+        return Image.fromarray(getattr(data, name)()).convert("RGB")
+    except (OSError, ValueError, AttributeError) as exc:  # a photo this version fetches instead of bundling
+        raise InputError(f"cannot load the scikit-image photo {name!r}: {exc}") from exc
+
+
+def vision_input(upload, sample: str, seed: int, max_bytes: int):
+    """The image a request runs on: the upload if there is one, else the sample.
+
+    Returns
+    -------
+    (PIL.Image.Image, str)
+        The RGB image and where it came from (for the status line).
+
+    Raises
+    ------
+    InputError
+        An upload over ``max_bytes``, an upload that is not a readable image (the message of
+        :func:`mmaccel.data.media.load_image`), or a bad sample (see :func:`sample_image`).
+    """
+    from mmaccel.data.media import load_image
+
+    seed = 0 if seed is None else seed
+    if upload:
+        path = checked_upload(upload, max_bytes)
+        try:
+            return load_image(path), f"the uploaded image {path.name}"
+        except (ValueError, OSError) as exc:
+            raise InputError(str(exc).replace(str(path), path.name)) from exc
+    what = f"scene seed {int(seed)}" if sample == SCENE_SAMPLE else f"the scikit-image photo {sample!r}"
+    return sample_image(sample, seed), what
+
+
+@dataclass
+class VisionRun:
+    """One configuration of the Image & video tab measured on one image.
+
+    Attributes
+    ----------
+    seconds : float
+        Median seconds of one encoder forward (``nan`` with no timed forward).
+    times : list of float
+        Every timed forward, seconds.
+    tokens_in, tokens_out : int
+        The encoder's tokens before and after the method ([CLS] and registers included).
+    pooled : torch.Tensor
+        [D] the pooled embedding: ``pooler_output`` (Dinov2's and CLIP's normalised [CLS], SigLIP's attention pool),
+        else the first output token.
+    patch_mean : torch.Tensor
+        [D] the mean of the output patch tokens, each weighted by the input patches it holds: the mean over the
+        original patches (pruned patches do not count).
+    source : TokenPlan
+        Batch 1 over the ``tokens_in`` input tokens: the output token of each (identity when nothing changed).
+    prefix : int
+        Leading non-patch tokens ([CLS], registers).
+    grid : (int, int)
+        The ``h x w`` patch grid.
+    telemetry : dict
+        The method's telemetry (schedule, tokens per layer...).
+    """
+
+    seconds: float
+    times: list
+    tokens_in: int
+    tokens_out: int
+    pooled: Any
+    patch_mean: Any
+    source: Any
+    prefix: int
+    grid: tuple
+    telemetry: dict = field(default_factory=dict)
+
+    def patch_slots(self):
+        """[h, w] int numpy array: the output token of every patch, ``-1`` where the patch was pruned."""
+        h, w = self.grid
+        return self.source.slot_of()[0, self.prefix:].cpu().numpy().reshape(h, w)
+
+
+class EncoderRunner:
+    """Runs one image through a plain vision encoder under a visual-token method, timed.
+
+    The seam for other model kinds: :data:`VISION_RUNNERS` lists runner classes, each with ``kind``, ``stages``,
+    ``accepts(model)``, ``pixels(image)``, ``view(pixels)``, ``grid(pixels)`` and
+    ``run(pixels, method, repeats) -> VisionRun``; a vision-language-model runner (all three stages, an answer,
+    TTFT) is one more class there.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A module whose ``forward`` takes ``pixel_values`` and no ``input_ids`` and returns ``last_hidden_state``
+        [B, L, D] (HF ``Dinov2Model``, ``CLIPVisionModel``, ``SiglipVisionModel``); ``config.patch_size`` gives the
+        patch grid.
+    processor : image processor
+        Turns an image into ``pixel_values`` [1, 3, H, W]; its ``image_mean`` / ``image_std`` undo the normalisation
+        for the overlay.
+    """
+
+    kind = "vision encoder"
+    stages = ("vision",)
+    """The method stages (``VisionTokenMethod.stage``) this runner can apply: inside the tower only."""
+
+    def __init__(self, model, processor):
+        self.model, self.processor = model, processor
+
+    @classmethod
+    def methods(cls) -> list[str]:
+        """Names of the :data:`mmaccel.vision_tokens.METHODS` whose stage this runner applies."""
+        from mmaccel.vision_tokens import METHODS
+
+        return [n for n in forms.unique_names(METHODS) if METHODS[n].stage in cls.stages]
+
+    @staticmethod
+    def accepts(model) -> bool:
+        """Whether ``model`` is a plain vision encoder: its forward takes ``pixel_values`` and no ``input_ids``."""
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return "pixel_values" in params and "input_ids" not in params
+
+    @property
+    def patch_size(self) -> int:
+        """Pixels per patch side."""
+        config = self.model.config
+        size = getattr(config, "patch_size", None) or getattr(getattr(config, "vision_config", None), "patch_size", 0)
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    def pixels(self, image):
+        """``pixel_values`` [1, 3, H, W] of a PIL image, on the model's device and dtype."""
+        param = next(self.model.parameters())
+        values = self.processor(images=image, return_tensors="pt")["pixel_values"]
+        return values.to(param.device, param.dtype)
+
+    def view(self, pixels):
+        """The image as the encoder sees it (after resize, crop and normalisation are undone), cropped to the patch
+        grid: a PIL RGB image of ``h * patch x w * patch`` pixels."""
+        import numpy as np
+        from PIL import Image
+
+        x = pixels[0].float().cpu()
+        mean, std = getattr(self.processor, "image_mean", None), getattr(self.processor, "image_std", None)
+        if mean is not None and std is not None:
+            x = x * _channels(std) + _channels(mean)
+        else:  # no normalisation known: stretch to [0, 1]
+            x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-6)
+        h, w = self.grid(pixels)
+        p = self.patch_size
+        arr = (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        return Image.fromarray(arr[: h * p, : w * p])
+
+    def grid(self, pixels) -> tuple[int, int]:
+        """The ``(h, w)`` patch grid of ``pixels``."""
+        p = self.patch_size
+        return pixels.shape[-2] // p, pixels.shape[-1] // p
+
+    def run(self, pixels, method=None, repeats: int = 3) -> VisionRun:
+        """One warm-up forward, then ``repeats`` timed forwards, under ``method`` (``None`` = unmodified).
+
+        Raises
+        ------
+        mmaccel.vision_tokens.UnsupportedModelError
+            (a ``ValueError``) if ``method`` does not support this model's class.
+        RuntimeError
+            If the method's source map does not match the tokens the encoder returned.
+        """
+        import torch
+
+        from mmaccel.vision_tokens import TokenPlan
+
+        times = []
+        with torch.no_grad(), (method.apply(self.model) if method is not None else contextlib.nullcontext()):
+            out = self.model(pixel_values=pixels)  # warm-up
+            for _ in range(int(repeats)):
+                _sync(pixels)
+                start = time.perf_counter()
+                out = self.model(pixel_values=pixels)
+                _sync(pixels)
+                times.append(time.perf_counter() - start)
+        hidden = out.last_hidden_state[0].float()
+        maps = method.source_map() if method is not None else []
+        source = maps[0] if maps else TokenPlan.identity(1, hidden.shape[0], hidden.device)
+        if source.num_kept != hidden.shape[0]:
+            raise RuntimeError(f"the source map has {source.num_kept} output tokens, the encoder returned "
+                               f"{hidden.shape[0]}")
+        h, w = self.grid(pixels)
+        prefix = source.length - h * w
+        if prefix < 0:
+            raise RuntimeError(f"{source.length} tokens cannot hold a {h} x {w} patch grid")
+        slot = source.slot_of()[0].to(hidden.device)
+        patch_slot = slot[prefix:]
+        counts = torch.bincount(patch_slot[patch_slot >= 0], minlength=hidden.shape[0]).float()
+        pooled = getattr(out, "pooler_output", None)
+        return VisionRun(
+            seconds=statistics.median(times) if times else float("nan"), times=times, tokens_in=source.length,
+            tokens_out=hidden.shape[0], pooled=(hidden[0] if pooled is None else pooled[0].float()),
+            patch_mean=(counts[:, None] * hidden).sum(0) / counts.sum().clamp_min(1), source=source, prefix=prefix,
+            grid=(h, w), telemetry=dict(method.telemetry) if method is not None else {})
+
+
+def _channels(values):
+    import torch
+
+    return torch.tensor(list(values), dtype=torch.float32)[:, None, None]
+
+
+def _sync(tensor) -> None:
+    if tensor.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(tensor.device)
+
+
+VISION_RUNNERS: tuple[type, ...] = (EncoderRunner,)
+"""Runner classes of the Image & video tab, tried in order (see :class:`EncoderRunner`)."""
+
+
+def vision_runner(model, processor):
+    """The runner of :data:`VISION_RUNNERS` that accepts ``model``.
+
+    Raises
+    ------
+    InputError
+        For a vision-language model (no runner for it yet) or a model that takes no images.
+    """
+    for runner in VISION_RUNNERS:
+        if runner.accepts(model):
+            return runner(model, processor)
+    from mmaccel.vision_tokens import VLMParts
+
+    name = type(model).__name__
+    if not isinstance(VLMParts.find(model), str):
+        raise InputError(f"{name} is a vision-language model; this tab runs vision encoders so far (columns with an "
+                         "answer from a VLM come with the smol-llava zoo model): pick a vision encoder such as "
+                         "dinov2-small")
+    raise InputError(f"{name} takes no images: pick a vision encoder (dinov2-small, or a local Dinov2, CLIP or "
+                     "SigLIP vision checkpoint)")
+
+
+def scaled_view(view, side: int = OVERLAY_SIDE):
+    """``view`` upscaled by the smallest whole factor that makes its long side at least ``side`` pixels (bicubic),
+    so that every patch stays a square of whole pixels; the overlay is drawn on the same picture."""
+    from PIL import Image
+
+    factor = max(1, -(-side // max(view.size)))
+    return view if factor == 1 else view.resize((view.width * factor, view.height * factor), Image.BICUBIC)
+
+
+def token_overlay(view, slots, side: int = OVERLAY_SIDE):
+    """The encoder's input with its output tokens drawn over the patches.
+
+    Parameters
+    ----------
+    view : PIL.Image.Image
+        The image as the encoder saw it, ``h * patch x w * patch`` pixels (:meth:`EncoderRunner.view`).
+    slots : numpy.ndarray
+        [h, w] int: the output token of every patch, ``-1`` for a pruned patch (:meth:`VisionRun.patch_slots`).
+    side : int
+        Upscale as :func:`scaled_view` does.
+
+    Returns
+    -------
+    PIL.Image.Image
+        RGB, the size of ``scaled_view(view, side)``. A patch that is its own token is left as it is; the patches
+        merged into one token are tinted with that token's colour (one hue per token, by the golden ratio) and
+        outlined where the group ends; a pruned patch is greyed out. With no merged and no pruned patch the result
+        equals ``scaled_view(view, side)`` pixel for pixel.
+    """
+    import numpy as np
+    from matplotlib.colors import hsv_to_rgb
+    from PIL import Image
+
+    base = scaled_view(view, side)
+    step = base.height // slots.shape[0]  # pixels per patch side
+    arr = np.asarray(base, dtype=np.float32)
+    px = np.repeat(np.repeat(slots, step, axis=0), step, axis=1)
+    sizes = np.bincount(slots[slots >= 0].ravel(), minlength=int(slots.max()) + 1) if (slots >= 0).any() \
+        else np.zeros(1, dtype=int)
+    merged = (px >= 0) & (sizes[px.clip(min=0)] > 1)
+    pruned = px < 0
+    hue = (px.clip(min=0) * 0.6180339887) % 1.0
+    colour = hsv_to_rgb(np.stack([hue, np.full_like(hue, 0.85), np.ones_like(hue)], axis=-1)) * 255
+    out = arr.copy()
+    out[merged] = (1 - _MERGE_ALPHA) * arr[merged] + _MERGE_ALPHA * colour[merged]
+    luminance = arr @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+    out[pruned] = (90 + 0.25 * luminance[pruned])[:, None]
+    marked = merged | pruned
+    edge = np.zeros(px.shape, dtype=bool)
+    for axis in (0, 1):  # a 2-pixel line where the token changes next to a merged or pruned patch
+        a = [slice(None), slice(None)]
+        b = [slice(None), slice(None)]
+        a[axis], b[axis] = slice(1, None), slice(None, -1)
+        change = (px[tuple(a)] != px[tuple(b)]) & (marked[tuple(a)] | marked[tuple(b)])
+        edge[tuple(a)] |= change
+        edge[tuple(b)] |= change
+    out[edge] = _EDGE_RGB
+    return Image.fromarray(out.round().clip(0, 255).astype(np.uint8))
+
+
+def vision_rows(run: VisionRun, reference: VisionRun, first: VisionRun | None) -> list[list]:
+    """Metric rows ``[name, number]`` of one column of the Image & video tab.
+
+    Tokens (in and kept), the median encoder seconds and images/s, the throughput ratio to ``first`` (column 1's
+    run; ``None`` when it failed), and the cosine similarity of the pooled embedding and of the patch mean to
+    ``reference`` (the unmodified encoder on the same input), then the merged and pruned patch counts.
+    """
+    import numpy as np
+    import torch.nn.functional as F
+
+    slots = run.patch_slots()
+    counts = np.unique(slots[slots >= 0], return_counts=True)[1]
+    per_s = 1.0 / run.seconds if run.seconds > 0 else None
+    first_per_s = 1.0 / first.seconds if first is not None and first.seconds > 0 else None
+    return [
+        ["visual tokens", run.tokens_in],
+        ["visual tokens kept", run.tokens_out],
+        ["vision encoder (s)", _round(run.seconds)],
+        ["images/s", _round(per_s, 2)],
+        ["throughput ratio to column 1", _round(per_s / first_per_s, 3) if per_s and first_per_s else None],
+        ["cosine [CLS]/pooled vs unmodified", _round(F.cosine_similarity(run.pooled, reference.pooled, dim=0), 5)],
+        ["cosine patch mean vs unmodified", _round(F.cosine_similarity(run.patch_mean, reference.patch_mean, dim=0),
+                                                   5)],
+        ["merged patches", int(counts[counts > 1].sum())],
+        ["pruned patches", int((slots < 0).sum())],
+    ]
+
+
+def vision_html(spec: str, run: VisionRun) -> str:
+    """The text of one column: tokens in and out, and what the overlay's colours mean for this run."""
+    import numpy as np
+
+    slots = run.patch_slots()
+    counts = np.unique(slots[slots >= 0], return_counts=True)[1]
+    merged_tokens, merged_patches = int((counts > 1).sum()), int(counts[counts > 1].sum())
+    alone, pruned = int((counts == 1).sum()), int((slots < 0).sum())
+    schedule = run.telemetry.get("schedule")
+    extra = f"<br><small>merges per block: {html.escape(','.join(map(str, schedule)))}</small>" if schedule else ""
+    return (f'<div class="mm-output" style="{_TEXT_STYLE}"><b>{html.escape(spec)}</b>: {run.tokens_in} &rarr; '
+            f"{run.tokens_out} tokens ({100 * run.tokens_out / run.tokens_in:.0f}% kept)<br>"
+            f"{merged_patches} patches merged into {merged_tokens} tokens (coloured, one colour per token) &middot; "
+            f"{pruned} pruned (grey) &middot; {alone} kept alone (unchanged){extra}</div>")
+
+
+def vision_intro() -> str:
+    """The Image & video tab's text: how a column runs, what the overlay shows, where each registered method of
+    :data:`mmaccel.vision_tokens.METHODS` applies (by its ``stage``), and that video is not offered yet."""
+    from mmaccel.vision_tokens import METHODS
+
+    by_stage: dict[str, list[str]] = {stage: [] for stage in STAGE_WHERE}
+    for name in forms.unique_names(METHODS):
+        by_stage.setdefault(METHODS[name].stage, []).append(f"`{name}`")
+    stages = "\n".join(f"- {STAGE_WHERE.get(stage, stage)}: {', '.join(names)}"
+                       + (" (runs on a vision encoder)" if stage in EncoderRunner.stages
+                          else " (needs a vision-language model)")
+                       for stage, names in by_stage.items() if names)
+    return ("**Visual tokens of a vision encoder.** Each column runs the same image through the encoder under one "
+            "method of `mmaccel.vision_tokens.METHODS` (its form is generated from the class) or `none`, the "
+            "unmodified encoder. In the overlay, the patches merged into one output token share a colour (one colour "
+            "per token, outlined), pruned patches are grey, and patches kept alone are unchanged. Cosines compare "
+            "with the unmodified encoder on the same input.\n\nWhere the methods work:\n\n" + stages + "\n\n"
+            "**Video: not yet.** `temporal-tome` merges tokens across the frames of a video-LLM, so video input comes "
+            "with vision-language models (`smol-llava`); this tab takes images.")
+
+
 # ------------------------------------------------------------------------------------------------- column forms
 @dataclass
 class MethodColumn:
@@ -285,22 +729,24 @@ class MethodColumn:
     outputs: list = field(default_factory=list)
 
 
-def _component(f: forms.Field, key: str):
-    """A Gradio component for a generated field (``key`` is also its element id)."""
+def _component(f: forms.Field, key: str, value: Any = None):
+    """A Gradio component for a generated field (``key`` is also its element id), showing ``value`` (default: the
+    field's default)."""
     common = {"label": f.label, "info": f.help[:300] if f.help else None, "key": key, "elem_id": key}
+    value = f.default if value is None else value
     if f.kind == "int":
-        return gr.Number(value=f.default, precision=0, minimum=f.minimum, **common)
+        return gr.Number(value=value, precision=0, minimum=f.minimum, **common)
     if f.kind == "float":
-        return gr.Number(value=f.default, minimum=f.minimum, **common)
+        return gr.Number(value=value, minimum=f.minimum, **common)
     if f.kind == "bool":
-        return gr.Checkbox(value=bool(f.default), **common)
+        return gr.Checkbox(value=bool(value), **common)
     if f.kind == "choice":
-        return gr.Dropdown(choices=f.choices, value=f.default, **common)
-    return gr.Textbox(value="" if f.default is None else str(f.default), **common)
+        return gr.Dropdown(choices=f.choices, value=value, **common)
+    return gr.Textbox(value="" if value is None else str(value), **common)
 
 
 def method_column(tab: str, index: int, registry: Mapping[str, type], default: str, *,
-                  extra: Mapping[str, str] | None = None) -> MethodColumn:
+                  extra: Mapping[str, str] | None = None, initial: Mapping[str, Any] | None = None) -> MethodColumn:
     """Build one configuration column inside the current Blocks context, its form generated from ``registry``.
 
     Parameters
@@ -315,8 +761,16 @@ def method_column(tab: str, index: int, registry: Mapping[str, type], default: s
         The method selected at start.
     extra : mapping, optional
         Choices that are not registry classes (name -> description), e.g. the autoregressive baseline.
+    initial : mapping, optional
+        Starting values of some of the ``default`` method's fields (field name -> value, e.g. ``{"keep_ratio": 0.5}``);
+        the starting spec is composed from them. The form itself is still generated from the class.
+
+    Raises
+    ------
+    ValueError
+        If an ``initial`` value does not fit its field (see :func:`apps.forms.compose_spec`).
     """
-    extra = dict(extra or {})
+    extra, initial = dict(extra or {}), dict(initial or {})
     names = list(extra) + forms.unique_names(registry)
     with gr.Column(visible=index < 2, min_width=260, elem_id=f"{tab}-col{index}", key=f"{tab}-col{index}") as box:
         gr.Markdown(f"### Column {index + 1}" + (" (baseline of the ratios)" if index == 0 else ""))
@@ -330,10 +784,14 @@ def method_column(tab: str, index: int, registry: Mapping[str, type], default: s
             with gr.Group(visible=name == default, key=f"{tab}-col{index}-{name}") as group:
                 if about:
                     gr.Markdown(f"<small>{html.escape(about[:400])}</small>")
-                comps = [_component(f, key=f"{tab}-col{index}-{name}-{f.name}") for f in fields]
+                start = initial if name == default else {}
+                comps = [_component(f, key=f"{tab}-col{index}-{name}-{f.name}", value=start.get(f.name))
+                         for f in fields]
             col.groups[name] = group
             col.inputs[name] = (fields, comps)
-        col.spec = gr.Textbox(value=default, label="spec (composed from the form; editable)",
+        fields = col.inputs[default][0]
+        spec = forms.compose_spec(default, fields, [initial.get(f.name, f.default) for f in fields])
+        col.spec = gr.Textbox(value=spec, label="spec (composed from the form; editable)",
                               elem_id=f"{tab}-col{index}-spec", key=f"{tab}-col{index}-spec")
     _wire_column(col)
     return col
@@ -391,7 +849,7 @@ class Workbench:
     models : ModelCache
         Where models are loaded and kept.
     max_upload_bytes : int
-        Size limit of an uploaded document.
+        Size limit of an uploaded document or image, bytes.
     work_dir : path
         Temp folder for outputs (NIAH heatmaps, kernel-bench JSON).
     haystack : path, optional
@@ -670,6 +1128,105 @@ class Workbench:
                 kernel_figure(recs))
 
 
+    # ---------------------------------------------------------------- image & video
+    def vision(self, model_name, upload, sample, scene_seed, repeats, n_columns, spec1, spec2, spec3, spec4,
+               progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+        """Image & video: the same image through the encoder under each column's visual-token method, one column
+        after another; per column the kept/merged-token overlay and the metrics (:func:`vision_rows`).
+
+        Parameters
+        ----------
+        model_name : str
+            A vision encoder: a zoo name (``dinov2-small``) or a local checkpoint directory.
+        upload : str or None
+            An uploaded image file (wins over the sample).
+        sample, scene_seed
+            A sample of :data:`VISION_SAMPLES` and the seed of a generated scene.
+        repeats : int
+            Timed forwards per column (>= 1), after one warm-up forward; the median is reported.
+        n_columns : int
+            2 to 4; ``spec1..spec4``: each column's method spec, or ``"none"`` (the unmodified encoder).
+
+        Yields
+        ------
+        list
+            ``[status, input image, (html, metrics) x 4, overlay x 4, ratio plot]``. An unknown model, a bad file
+            or a bad sample puts an error in every column; a bad spec or a method that does not support the model's
+            class puts one in its own column only.
+        """
+        from mmaccel.vision_tokens import UnsupportedModelError, build_method
+
+        n = max(1, min(MAX_COLUMNS, int(n_columns)))
+        specs = [(s or "").strip() or NO_METHOD for s in (spec1, spec2, spec3, spec4)[:n]]
+        results: list = [None] * n
+        overlays: list = [None] * n
+        preview = None
+
+        def outputs(status, final=False):
+            out = self._outputs(status, results, specs, with_plot=False)
+            out[1:1] = [preview]
+            out += [overlays[i] if i < n else None for i in range(MAX_COLUMNS)]
+            plot = ratio_figure(specs, results, VISION_RATIO_METRICS) if final else None
+            if plot is not None:
+                plot.axes[0].set_title("ratios to the first column (lower is better, except images/s)", fontsize=9)
+            return out + [plot]
+
+        def fail_all(message):
+            results[:] = [ColumnResult.failure(message) for _ in range(n)]
+            return outputs(f"**error**: {message}")
+
+        model, processor, failed = self._load(model_name, n, progress)
+        if failed:
+            results[:] = failed
+            yield outputs("**error**: the model could not be loaded (see the columns).")
+            return
+        try:
+            runner = vision_runner(model, processor)
+            image, source = vision_input(upload, sample, scene_seed, self.max_upload_bytes)
+            repeats = 0 if repeats is None else int(repeats)
+            if repeats < 1:
+                raise InputError(f"repeats must be >= 1, got {repeats}")
+            pixels = runner.pixels(image)
+            view = runner.view(pixels)
+        except InputError as exc:
+            yield fail_all(str(exc))
+            return
+        preview = scaled_view(view)
+        progress(0.0, desc="the unmodified encoder (the reference of the cosines)")
+        try:
+            reference = runner.run(pixels, None, repeats=0)
+        except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint whose encoder does not run on this input
+            yield fail_all(f"the unmodified {runner.kind} failed on this input: {type(exc).__name__}: {exc}")
+            return
+        first = None
+        for i, spec in enumerate(specs):
+            progress((i, n), desc=f"column {i + 1}: {spec}")
+            yield outputs(f"running column {i + 1} of {n} ({spec}) ...")
+            method = None
+            try:
+                method = None if spec.split(":")[0] == NO_METHOD else build_method(spec)
+                run = runner.run(pixels, method, repeats=repeats)
+            except UnsupportedModelError as exc:
+                where = STAGE_WHERE.get(method.stage, method.stage)
+                results[i] = ColumnResult.failure(f"{exc}. {method.name} works {where}; on a {runner.kind} use "
+                                                  f"{' or '.join(runner.methods())}.")
+                continue
+            except Exception as exc:  # noqa: BLE001 - bad spec, bad value, anything else: this column only
+                results[i] = ColumnResult.failure(str(exc) if isinstance(exc, ValueError)
+                                                  else f"{type(exc).__name__}: {exc}")
+                continue
+            if i == 0:
+                first = run
+            results[i] = ColumnResult(html=vision_html(spec, run), rows=vision_rows(run, reference, first), record=run)
+            overlays[i] = token_overlay(view, run.patch_slots())
+        h, w = reference.grid
+        status = (f"Ran {n} configurations one after another on the same input ({source}: {view.width} x "
+                  f"{view.height} px as the {runner.kind} sees it, {h} x {w} patches), each after one warm-up "
+                  f"forward; encoder seconds are medians of {repeats} forward(s); cosines compare with the "
+                  "unmodified encoder on the same input.")
+        yield outputs(status, final=True)
+
+
 def kernel_figure(records: list[dict]):
     """Bar plot of kernel speedups vs dense SDPA, one bar per (op, method, backend, length)."""
     import matplotlib
@@ -694,9 +1251,12 @@ def kernel_figure(records: list[dict]):
     return fig
 
 
-def _column_outputs(tab: str, cols: list[MethodColumn], n_cols, image: bool = False) -> tuple[list, list]:
+def _column_outputs(tab: str, cols: list[MethodColumn], n_cols, image: bool | str = False) -> tuple[list, list]:
     """A row of output columns under the configuration columns, aligned with them: per column an ``output`` (HTML),
-    a ``metrics`` table and, with ``image``, a heatmap; shown for the first ``n_cols`` columns.
+    a ``metrics`` table and, with ``image``, an image under them; shown for the first ``n_cols`` columns.
+
+    ``image``: ``True`` for a heatmap (element id ``{tab}-col{i}-heatmap``), or a label for another image (element id
+    ``{tab}-col{i}-image``; PNG, so what the handler drew comes back pixel for pixel).
 
     Returns
     -------
@@ -712,8 +1272,11 @@ def _column_outputs(tab: str, cols: list[MethodColumn], n_cols, image: bool = Fa
                 table = gr.Dataframe(value=metrics_table([]), headers=METRIC_HEADERS, datatype=["str", "number"],
                                      label=f"metrics, column {col.index + 1}", interactive=False,
                                      elem_id=f"{tab}-col{col.index}-metrics")
-                if image:
+                if image is True:
                     images.append(gr.Image(label="heatmap", type="filepath", elem_id=f"{tab}-col{col.index}-heatmap"))
+                elif image:
+                    images.append(gr.Image(label=image, type="pil", format="png", interactive=False,
+                                           elem_id=f"{tab}-col{col.index}-image"))
             boxes.append(box)
             col.outputs = [out_html, table]
             outs += col.outputs
@@ -721,26 +1284,32 @@ def _column_outputs(tab: str, cols: list[MethodColumn], n_cols, image: bool = Fa
     return outs, images
 
 
-def _columns(tab: str, registry, defaults: list[str], extra=None) -> tuple[Any, list[MethodColumn]]:
+def _columns(tab: str, registry, defaults: list[str], extra=None, initial=None) -> tuple[Any, list[MethodColumn]]:
     n_cols = gr.Radio([2, 3, 4], value=2, label="columns", elem_id=f"{tab}-ncols")
+    initial = list(initial or [None] * MAX_COLUMNS)
     with gr.Row(equal_height=False):
-        cols = [method_column(tab, i, registry, defaults[i], extra=extra) for i in range(MAX_COLUMNS)]
+        cols = [method_column(tab, i, registry, defaults[i], extra=extra, initial=initial[i])
+                for i in range(MAX_COLUMNS)]
     n_cols.change(_columns_visibility, n_cols, [c.container for c in cols], queue=False, api_visibility="private")
     return n_cols, cols
 
 
-def build_app(default_model: str = "smollm2-135m", *, device: str = "auto", max_upload_mb: float = 2.0,
-              niah_length: int = 2048, haystack=None, work_dir=None, models: ModelCache | None = None) -> gr.Blocks:
+def build_app(default_model: str = "smollm2-135m", *, vision_model: str = "dinov2-small", device: str = "auto",
+              max_upload_mb: float = 2.0, niah_length: int = 2048, haystack=None, work_dir=None,
+              models: ModelCache | None = None) -> gr.Blocks:
     """Build the workbench.
 
     Parameters
     ----------
     default_model : str
-        Model preselected in the picker (tests use ``"micro-lm"``).
+        Model preselected in the picker of the text tabs (tests use ``"micro-lm"``).
+    vision_model : str
+        Model preselected in the Image & video tab: a zoo vision encoder or a local checkpoint directory (tests use a
+        tiny random Dinov2 saved to a temp folder).
     device : str
         Where models load (``"auto"``, ``"cpu"``, ``"cuda"``).
     max_upload_mb : float
-        Size limit of an uploaded document, MiB (checked by the handler; ``--max-upload-mb`` also passes it to
+        Size limit of an uploaded document or image, MiB (checked by the handler; ``--max-upload-mb`` also passes it to
         Gradio's own upload limit).
     niah_length : int
         Default length of a generated NIAH document, tokens.
@@ -756,7 +1325,7 @@ def build_app(default_model: str = "smollm2-135m", *, device: str = "auto", max_
     gr.Blocks
         Not launched; measured endpoints share one concurrency-1 queue slot (``concurrency_id="measured"``).
     """
-    from mmaccel import longctx, speculative
+    from mmaccel import longctx, speculative, vision_tokens
 
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="mmaccel-app-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -876,22 +1445,41 @@ def build_app(default_model: str = "smollm2-135m", *, device: str = "auto", max_
 
             # ------------------------------------------------------------ image & video
             with gr.Tab("Image & video", id="vision", elem_id="tab-vision"):
-                gr.Markdown(vision_placeholder(), elem_id="vision-placeholder")
+                gr.Markdown(vision_intro(), elem_id="vis-about")
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        vis_model = gr.Dropdown(choices=vision_model_choices(), value=vision_model,
+                                                allow_custom_value=True, elem_id="vis-model",
+                                                label="vision model (zoo name or local checkpoint directory)")
+                        with gr.Row():
+                            vis_sample = gr.Dropdown(VISION_SAMPLES, value=VISION_SAMPLES[0], label="sample",
+                                                     elem_id="vis-sample")
+                            vis_seed = gr.Number(0, label="scene seed", precision=0, minimum=0, elem_id="vis-seed")
+                            vis_repeats = gr.Number(5, label="repeats (median)", precision=0, minimum=1,
+                                                    elem_id="vis-repeats")
+                        vis_upload = gr.File(label=f"or upload an image (up to {max_upload_mb:g} MiB; wins over the "
+                                                   "sample; kept in Gradio's temp folder)", type="filepath",
+                                             elem_id="vis-upload")
+                    with gr.Column(scale=2):
+                        vis_input = gr.Image(label="input as the encoder sees it (resized, cropped)", type="pil",
+                                             format="png", interactive=False, elem_id="vis-input")
+                vis_ncols, vis_cols = _columns(
+                    "vis", vision_tokens.METHODS, [m for m, _ in VISION_DEFAULTS],
+                    extra={NO_METHOD: "The unmodified encoder: the baseline of the cosines."},
+                    initial=[v for _, v in VISION_DEFAULTS])
+                with gr.Row():
+                    vis_run = gr.Button("Run side by side", variant="primary", elem_id="vis-run")
+                    vis_stop = gr.Button("Stop", elem_id="vis-stop")
+                vis_status = gr.Markdown(elem_id="vis-status")
+                vis_outs, vis_imgs = _column_outputs("vis", vis_cols, vis_ncols,
+                                                     image="kept and merged tokens over the input")
+                vis_plot = gr.Plot(label="ratios to column 1", elem_id="vis-plot")
+                ev = vis_run.click(wb.vision, [vis_model, vis_upload, vis_sample, vis_seed, vis_repeats, vis_ncols,
+                                               *[c.spec for c in vis_cols]],
+                                   [vis_status, vis_input, *vis_outs, *vis_imgs, vis_plot], api_name="vision",
+                                   **measured)
+                vis_stop.click(None, cancels=[ev], api_visibility="private")
     return demo
-
-
-def vision_placeholder() -> str:
-    """The Image & video tab's text: what ``mmaccel.vision_tokens.METHODS`` holds so far."""
-    try:
-        from mmaccel.vision_tokens import METHODS
-    except Exception as exc:  # noqa: BLE001 - the module is being built
-        return f"**Image & video QA: coming.** `mmaccel.vision_tokens` cannot be imported yet ({exc})."
-    if not METHODS:
-        return ("**Image & video QA: coming.** `mmaccel.vision_tokens.METHODS` is empty so far; the tab will list "
-                "the visual-token methods and their generated forms as they are registered.")
-    items = "\n".join(f"- `{name}`: {forms.summary(cls)[:160]}" for name, cls in METHODS.items())
-    return ("**Image & video QA: coming.** Visual-token methods registered so far in "
-            f"`mmaccel.vision_tokens.METHODS` (the tab will generate their forms the same way):\n\n{items}")
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
@@ -901,10 +1489,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
-    p.add_argument("--model", default="smollm2-135m", help="model preselected in the picker")
+    p.add_argument("--model", default="smollm2-135m", help="model preselected in the picker of the text tabs")
+    p.add_argument("--vision-model", default="dinov2-small",
+                   help="model preselected in the Image & video tab (a zoo vision encoder or a local checkpoint)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-upload-mb", type=float, default=2.0, help="size limit of an uploaded document, MiB")
+    p.add_argument("--max-upload-mb", type=float, default=2.0, help="size limit of an uploaded document or image, MiB")
     p.add_argument("--haystack", help="UTF-8 text file used as the NIAH haystack (default: held-out stdlib prose)")
     return p
 
@@ -919,7 +1509,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.haystack and not Path(args.haystack).is_file():
         build_parser().error(f"--haystack {args.haystack}: no such file")
-    demo = build_app(args.model, device=args.device, max_upload_mb=args.max_upload_mb, haystack=args.haystack)
+    demo = build_app(args.model, vision_model=args.vision_model, device=args.device,
+                     max_upload_mb=args.max_upload_mb, haystack=args.haystack)
     demo.queue(default_concurrency_limit=1)
     # Gradio's own limit is a backstop against huge uploads filling the temp folder; files between the two limits
     # reach the handler, which reports them in the columns.

@@ -1,5 +1,6 @@
-"""The Gradio workbench (apps/workbench.py) through gradio_client: every tab's endpoint on micro-lm, the generated
-forms, and errors that stay in their column while the app keeps serving."""
+"""The Gradio workbench (apps/workbench.py) through gradio_client: every tab's endpoint on micro-lm (the Image & video
+tab on a tiny random Dinov2 saved to a temp folder), the generated forms, and errors that stay in their column while
+the app keeps serving."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ from mmaccel.longctx import METHODS as KV_METHODS
 from mmaccel.longctx import build_method
 from mmaccel.specs import accepted_keys
 from mmaccel.speculative import METHODS as DRAFTERS
+from mmaccel.vision_tokens import METHODS as VISION_METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,17 +39,37 @@ def small_haystack(path: Path) -> Path:
     return path
 
 
+def save_tiny_vision_encoder(path: Path, image_size: int = 56, patch_size: int = 7) -> str:
+    """A tiny random Dinov2 (hidden 32, 4 blocks; by default 56 px at patch 7: [CLS] + 8 x 8 patches) and its image
+    processor (resize, centre crop to ``image_size``), saved as a local checkpoint folder that ``mmaccel.load`` reads
+    (CI has no fetched ``dinov2-small``)."""
+    import torch
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                          image_size=image_size, patch_size=patch_size)
+    Dinov2Model(config).eval().save_pretrained(path)
+    side = {"height": image_size, "width": image_size}
+    BitImageProcessor(size={"shortest_edge": image_size * 8 // 7}, crop_size=side,
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    """The workbench on micro-lm launched on a free local port: ``.demo``, ``.client`` (gradio_client), ``.tmp``."""
+    """The workbench on micro-lm (and a tiny Dinov2 in the Image & video tab) launched on a free local port:
+    ``.demo``, ``.client`` (gradio_client), ``.tmp``, ``.vision_model`` (the tiny Dinov2's folder)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("app")
-    demo = build_app("micro-lm", device="cpu", niah_length=384, haystack=small_haystack(tmp / "hay.txt"),
-                     work_dir=tmp / "work", max_upload_mb=0.05)
+    vision_model = save_tiny_vision_encoder(tmp / "tiny-dinov2")
+    demo = build_app("micro-lm", vision_model=vision_model, device="cpu", niah_length=384,
+                     haystack=small_haystack(tmp / "hay.txt"), work_dir=tmp / "work", max_upload_mb=0.05)
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     try:
-        yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, demo=demo)
+        yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, demo=demo,
+                                    vision_model=vision_model)
     finally:
         demo.close()
         mp.undo()
@@ -66,7 +88,7 @@ def assert_numeric(metrics, keys=("TTFT (s)", "decode time (s)", "tokens/s", "pe
 
 
 # ------------------------------------------------------------------------------------------------ generated forms
-@pytest.mark.parametrize("registry", [KV_METHODS, DRAFTERS], ids=["longctx", "speculative"])
+@pytest.mark.parametrize("registry", [KV_METHODS, DRAFTERS, VISION_METHODS], ids=["longctx", "speculative", "vision"])
 def test_forms_come_from_the_registry(registry):
     for name in forms.unique_names(registry):
         cls = registry[name]
@@ -241,5 +263,115 @@ def test_out_of_memory_is_an_error_in_its_column(app, monkeypatch):
 
 def test_measured_endpoints_share_one_queue_slot(app):
     fns = {fn.api_name: fn for fn in app.demo.fns.values() if fn.api_name}
-    for name in ("longctx", "niah_document", "generation", "niah_eval", "kernels"):
+    for name in ("longctx", "niah_document", "generation", "niah_eval", "kernels", "vision"):
         assert fns[name].concurrency_limit == 1 and fns[name].concurrency_id == "measured", name
+
+
+# --------------------------------------------------------------------------------------------------- image & video
+VISION_KEYS = ("visual tokens", "visual tokens kept", "vision encoder (s)", "images/s", "throughput ratio to column 1",
+               "cosine [CLS]/pooled vs unmodified", "cosine patch mean vs unmodified", "merged patches")
+PATCH_PX = 448 // 8  # the tiny Dinov2's 8 x 8 patches in the 448-px overlay
+
+
+def vision(client, *specs, model, upload=None, sample="astronaut", seed=0, repeats=2):
+    """Call ``/vision`` with ``len(specs)`` columns: ``(status, input image, [(html, metrics)] * 4, overlays, plot)``."""
+    padded = [*specs, "", "", ""][:4]
+    result = client.predict(model, upload, sample, seed, repeats, len(specs), *padded, api_name="/vision")
+    status, preview, body, overlays, plot = result[0], result[1], result[2:10], result[10:14], result[14]
+    cols = [(body[2 * i], {row[0]: row[1] for row in body[2 * i + 1]["data"]}) for i in range(4)]
+    return status, preview, cols, overlays, plot
+
+
+def patch_changes(a_path, b_path):
+    """[8, 8] bool: the patches whose interior (2 px in from the edges, where outlines go) differs between images."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(a_path).convert("RGB"), dtype=np.int16)
+    b = np.asarray(Image.open(b_path).convert("RGB"), dtype=np.int16)
+    assert a.shape == b.shape == (448, 448, 3)
+    diff = np.abs(a - b).sum(-1).reshape(8, PATCH_PX, 8, PATCH_PX)[:, 2:-2, :, 2:-2]
+    return diff.max(axis=(1, 3)) > 0
+
+
+def test_vision_overlay_and_metrics(app):
+    status, preview, cols, overlays, plot = vision(app.client, "none", "tome:keep_ratio=0.5", model=app.vision_model)
+    assert "one after another" in status and "warm-up" in status and "8 x 8 patches" in status
+    base, tome = cols[0][1], cols[1][1]
+    for html_out, metrics in cols[:2]:
+        assert "mm-output" in html_out and "mm-error" not in html_out
+        for key in VISION_KEYS:
+            assert isinstance(metrics[key], (int, float)) and metrics[key] >= 0, (key, metrics)
+    assert base["visual tokens"] == base["visual tokens kept"] == 65 and base["merged patches"] == 0
+    assert base["throughput ratio to column 1"] == 1.0 and base["cosine [CLS]/pooled vs unmodified"] == 1.0
+    assert tome["visual tokens"] == 65 and tome["visual tokens kept"] == 33  # 1 + round(0.5 * 64)
+    assert 0.5 < tome["cosine [CLS]/pooled vs unmodified"] <= 1.0 + 1e-6
+    assert tome["merged patches"] >= 64 - 32 + 1  # 32 merges leave at least one group of two
+    assert cols[2] == ("", {"-": None}) and overlays[2] is None  # hidden columns stay empty
+    # the overlays are lossless PNGs of the input as the encoder saw it: unchanged where nothing merged, coloured
+    # exactly on the merged patches (the interior of every patch kept alone is untouched)
+    assert Path(preview).suffix == Path(overlays[0]).suffix == ".png"
+    assert not patch_changes(preview, overlays[0]).any()
+    assert int(patch_changes(preview, overlays[1]).sum()) == tome["merged patches"]
+    assert plot is not None and plot.get("type") == "matplotlib"
+
+
+def test_vision_overlay_colours_merged_greys_pruned_and_keeps_the_rest():
+    import numpy as np
+    from PIL import Image
+
+    from apps.workbench import scaled_view, token_overlay
+
+    rng = np.random.default_rng(0)
+    view = Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))  # 4 x 4 patches of 7 px
+    slots = np.arange(16).reshape(4, 4)
+    assert np.array_equal(np.asarray(token_overlay(view, slots)), np.asarray(scaled_view(view)))
+    slots[0, 1] = 0  # patches (0, 0) and (0, 1) merged into token 0
+    slots[3, 3] = -1  # pruned
+    base = np.asarray(scaled_view(view), dtype=np.int16)
+    out = np.asarray(token_overlay(view, slots), dtype=np.int16)
+    step = base.shape[0] // 4
+    assert step * 4 == 448
+
+    def inner(a, r, c):
+        return a[r * step + 2: (r + 1) * step - 2, c * step + 2: (c + 1) * step - 2]
+
+    assert (inner(out, 0, 0) != inner(base, 0, 0)).any() and (inner(out, 0, 1) != inner(base, 0, 1)).any()
+    grey = inner(out, 3, 3)
+    assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()  # no colour left
+    assert np.array_equal(inner(out, 2, 2), inner(base, 2, 2))  # kept alone, away from any outline
+
+
+def test_vision_errors_stay_in_the_column_then_a_good_request(app):
+    client, tmp, model = app.client, app.tmp, app.vision_model
+    handle = gradio_client.handle_file
+    corrupt = tmp / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png" * 20)
+    status, _, cols, overlays, plot = vision(client, "none", "tome:r=4", model=model, upload=handle(str(corrupt)))
+    assert "error" in status and plot is None and list(overlays[:2]) == [None, None]
+    assert all("mm-error" in h and "not a readable image" in h and "corrupt.png" in h for h, _ in cols[:2])
+
+    status, _, cols, _, _ = vision(client, "none", "tome:r=4", model="no-such-model")
+    assert all("mm-error" in h and "unknown model" in h for h, _ in cols[:2])
+    status, _, cols, _, _ = vision(client, "none", "tome:r=4", model="micro-lm")  # a text model
+    assert all("mm-error" in h and "takes no images" in h for h, _ in cols[:2])
+
+    # a pre-LLM method on a plain encoder: an error in its column only, saying where it works
+    status, _, cols, overlays, _ = vision(client, "none", "pooling:keep_ratio=0.25", "tome:bogus=1", model=model)
+    (ok_html, ok), (bad_html, _), (bogus_html, _) = cols[:3]
+    assert "mm-output" in ok_html and overlays[0] is not None and ok["visual tokens kept"] == 65
+    assert "mm-error" in bad_html and "does not support Dinov2Model" in bad_html and "projector" in bad_html
+    assert "mm-error" in bogus_html and "bogus" in bogus_html and overlays[1] is None
+
+    # and a good upload after all that still succeeds
+    import numpy as np
+    from PIL import Image
+
+    good = tmp / "good.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)).save(good)
+    status, _, cols, overlays, plot = vision(client, "none", "tome:r=4", model=model, upload=handle(str(good)))
+    assert "good.png" in status and plot is not None
+    for html_out, metrics in cols[:2]:
+        assert "mm-error" not in html_out
+        assert all(isinstance(metrics[key], (int, float)) for key in VISION_KEYS)
+    assert cols[1][1]["visual tokens kept"] == 65 - 4 * 4 and overlays[1] is not None

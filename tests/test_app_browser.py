@@ -1,7 +1,8 @@
 """The workbench in a real browser: Debian's chromium driven by Playwright (never `playwright install`).
 
-Loads the page, runs a two-column comparison in the Long context, Generation, Evaluations and Kernels tabs, checks
-that outputs, metrics tables and plots appear, and saves screenshots under runs/screenshots/.
+Loads the page, runs a two-column comparison in the Long context, Generation, Evaluations, Kernels and Image & video
+tabs (the last on a tiny random Dinov2 at 224 px, 16 x 16 patches), checks that outputs, metrics tables, overlays and
+plots appear, and saves screenshots under runs/screenshots/.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from test_app import save_tiny_vision_encoder
+
 from apps.workbench import build_app
 
 SHOTS = ROOT / "runs" / "screenshots"
@@ -39,13 +42,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    """A chromium page on the workbench (micro-lm, a small NIAH haystack)."""
+    """A chromium page on the workbench (micro-lm, a small NIAH haystack, a tiny Dinov2 in the Image & video tab)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("browser")
     hay = tmp / "hay.txt"
     hay.write_text(re.sub(r"\d", "", " ".join(" ".join(m.__doc__ for m in (argparse, inspect, re)).split())))
-    demo = build_app("micro-lm", device="cpu", niah_length=384, haystack=hay, work_dir=tmp / "work")
+    vision_model = save_tiny_vision_encoder(tmp / "tiny-dinov2", image_size=224, patch_size=14)
+    demo = build_app("micro-lm", vision_model=vision_model, device="cpu", niah_length=384, haystack=hay,
+                     work_dir=tmp / "work")
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
@@ -120,7 +125,7 @@ def test_evaluations_two_columns(page):
     page.screenshot(path=str(SHOTS / "evaluations.png"), full_page=True)
 
 
-def test_kernels_and_vision_placeholder(page):
+def test_kernels_two_columns(page):
     page.get_by_role("tab", name="Kernels").click()
     fill(page, "kb-lengths", "128")
     fill(page, "kb-cache", "256")
@@ -130,6 +135,34 @@ def test_kernels_and_vision_placeholder(page):
     expect(page.locator("#kb-status")).to_contain_text("speedup")
     expect(page.locator("#kb-plot img, #kb-plot svg, #kb-plot canvas").first).to_be_visible()
     page.screenshot(path=str(SHOTS / "kernels.png"), full_page=True)
+
+
+def expect_image_drawn(page, elem_id: str) -> None:
+    """The image in ``#elem_id`` is on screen and decoded (Gradio's images load lazily, off screen)."""
+    img = page.locator(f"#{elem_id} img").first
+    img.scroll_into_view_if_needed()
+    expect(img).to_be_visible()
+    page.wait_for_function("id => { const i = document.querySelector(`#${id} img`); "
+                           "return i && i.complete && i.naturalWidth > 0; }", arg=elem_id)
+
+
+def test_image_two_columns_with_the_token_overlay(page):
     page.get_by_role("tab", name="Image & video").click()
-    expect(page.locator("#vision-placeholder")).to_contain_text("Image & video QA")
-    expect(page.locator("#vision-placeholder")).to_contain_text("vision_tokens")
+    expect(page.locator("#vis-about")).to_contain_text("Video: not yet")
+    # the generated ToMe form starts at keep_ratio 0.5; setting it recomposes the spec
+    fill(page, "vis-col1-tome-keep_ratio", "0.25")
+    expect(page.locator("#vis-col1-spec textarea, #vis-col1-spec input").first).to_have_value("tome:keep_ratio=0.25")
+    fill(page, "vis-repeats", "2")
+    page.locator("#vis-run").click()
+    expect(page.locator("#vis-status")).to_contain_text("one after another")
+    expect_image_drawn(page, "vis-input")
+    for i in range(2):
+        expect(page.locator(f"#vis-col{i}-output .mm-output")).to_be_visible()
+        expect_image_drawn(page, f"vis-col{i}-image")
+        table = page.locator(f"#vis-col{i}-metrics")
+        expect(table).to_contain_text("visual tokens kept")
+        expect(table).to_contain_text("cosine [CLS]/pooled vs unmodified")
+        assert re.search(r"\d+\.\d+", table.inner_text())
+    expect(page.locator("#vis-col1-output")).to_contain_text("257 → 65 tokens")
+    expect(page.locator("#vis-plot img, #vis-plot svg, #vis-plot canvas").first).to_be_visible()
+    page.screenshot(path=str(SHOTS / "image.png"), full_page=True)

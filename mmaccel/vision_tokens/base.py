@@ -111,6 +111,7 @@ class VisionTokenMethod:
 
     keep_ratio: float = 1.0
     telemetry: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _image_plans: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = ""
     stage: ClassVar[str] = ""  # "vision" (inside the tower), "pre-llm", "in-llm"
@@ -122,6 +123,26 @@ class VisionTokenMethod:
     def supports(self, model: nn.Module) -> str | None:
         """``None`` if the method can run on ``model``, else the reason it cannot."""
         raise NotImplementedError
+
+    def source_map(self) -> list[TokenPlan]:
+        """The final token -> patch assignment of the last forward: one batch-1 plan per image (or video).
+
+        Returns
+        -------
+        list of TokenPlan
+            In the order the forward saw the images. Each plan is over that image's tokens as the method saw them:
+            leading non-spatial tokens first ([CLS] and registers inside a tower, a kept [CLS] of LLaVA's ``"full"``
+            strategy), then the ``t x h x w`` patch raster. ``plan.slot_of()[0]`` [L] is the output token of every
+            input token (``-1`` = pruned), ``plan.index[0]`` [K] the representatives, ``plan.sources()[0]`` [K] how
+            many input tokens each output token holds. In-tower merging (ToMe) gives its source map (``last_source``,
+            one row per image); pre-LLM methods (:class:`ImageReducer`) their per-image plans. Empty before the first
+            forward, after an in-tower forward that merged nothing (every token is its own output), and for in-LLM
+            methods, which prune the whole sequence (read ``telemetry["kept_positions"]``).
+        """
+        source = getattr(self, "last_source", None)  # in-tower merging keeps one batched map (ToMe's source)
+        if isinstance(source, TokenPlan):
+            return [_plan_row(source, b) for b in range(source.batch)]
+        return list(self._image_plans)
 
     def check(self, model: nn.Module) -> None:
         """Raise :class:`UnsupportedModelError` with a clear message if the method cannot run on ``model``."""
@@ -477,12 +498,21 @@ class ImageReducer(VisionTokenMethod):
                 offset += grid.tokens
                 k += 1
         plan = lift_to_sequence(image_mask, grids, plans)
+        self._image_plans = plans
         self.telemetry = {"method": self.name, "stage": self.stage, "media": pending.get("kind", "image"),
                           "tokens_before": before, "tokens_after": after,
                           "sequence_before": plan.length, "sequence_after": plan.num_kept,
                           "kept_positions": plan.index.tolist()}
         logger.debug("%s: %d -> %d visual tokens", self.name, sum(before), sum(after))
         return plan
+
+
+def _plan_row(plan: TokenPlan, b: int) -> TokenPlan:
+    """Row ``b`` of a batched plan, as a batch-1 plan."""
+    def row(t):
+        return None if t is None else t[b: b + 1]
+
+    return TokenPlan(index=row(plan.index), length=plan.length, assign=row(plan.assign), weight=row(plan.weight))
 
 
 def _with_prefix(plan: TokenPlan, prefix: int) -> TokenPlan:
