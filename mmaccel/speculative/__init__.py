@@ -6,10 +6,13 @@
 
 Verification (exact greedy, or lossless speculative sampling -- Leviathan et al., 2023, arXiv 2211.17192; Chen et
 al., 2023, arXiv 2302.01318), KV rollback with ``DynamicCache.crop`` and the telemetry live once in
-:func:`speculative_generate`; a drafter (:class:`Drafter`) only proposes tokens. ``METHODS`` is the registry the CLI
-and the app list; adding a drafter is one file and one line here. :data:`PEERS` holds transformers' own speculative
-paths (``hf_assisted``, ``hf_prompt_lookup``, ``hf_early_exit``); :func:`build_speculative_method` turns a drafter or
-peer spec into what :func:`mmaccel.eval.generation.generate_measured` runs (see :mod:`mmaccel.speculative.harness`).
+:func:`speculative_generate`; a drafter (:class:`Drafter`) only proposes tokens. Tree drafters (``tree``, ``dytree``:
+:mod:`mmaccel.speculative.tree`) propose a token tree that the target verifies in one forward with a tree attention
+mask (SpecInfer, Miao et al., 2023, arXiv 2305.09781; Medusa, arXiv 2401.10774; EAGLE, arXiv 2401.15077), batch 1.
+``METHODS`` is the registry the CLI and the app list; adding a drafter is one file and one line here. :data:`PEERS`
+holds transformers' own speculative paths (``hf_assisted``, ``hf_prompt_lookup``, ``hf_early_exit``);
+:func:`build_speculative_method` turns a drafter or peer spec into what
+:func:`mmaccel.eval.generation.generate_measured` runs (see :mod:`mmaccel.speculative.harness`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,18 @@ from .jacobi import Jacobi
 from .prompt_lookup import PromptLookup
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength
+from .tree import (
+    DraftTree,
+    DynamicDraftTree,
+    TokenTree,
+    TreeDraft,
+    TreeDrafter,
+    ancestor_mask,
+    keep_cache_slots,
+    model_tree_mask,
+    verify_tree,
+    walk_tree,
+)
 from .verify import residual_distribution, verify_greedy, verify_sampled
 
 METHODS: dict[str, type[Drafter]] = {
@@ -39,12 +54,14 @@ METHODS: dict[str, type[Drafter]] = {
     "prompt_lookup": PromptLookup,
     "pld": PromptLookup,
     "jacobi": Jacobi,
+    "tree": DraftTree,
+    "dytree": DynamicDraftTree,
 }
 
 
 def build_drafter(spec: str) -> Drafter:
-    """Build a drafter from a spec such as ``"draft:model=micro-draft"``, ``"prompt_lookup:max_ngram=3"`` or
-    ``"jacobi"``. Each class's docstring names its paper (speculative decoding itself: Leviathan et al., 2023,
+    """Build a drafter from a spec such as ``"draft:model=micro-draft"``, ``"prompt_lookup:max_ngram=3"``,
+    ``"jacobi"`` or ``"tree:model=micro-draft:shape=3,2,2"``. Each class's docstring names its paper (speculative decoding itself: Leviathan et al., 2023,
     arXiv 2211.17192).
 
     Raises
@@ -61,7 +78,9 @@ __all__ = [
     "AdaptiveDraftLength",
     "Draft",
     "DraftModel",
+    "DraftTree",
     "Drafter",
+    "DynamicDraftTree",
     "HFAssisted",
     "HFEarlyExit",
     "HFPromptLookup",
@@ -70,16 +89,24 @@ __all__ = [
     "Sampler",
     "SpeculativeMethod",
     "SpeculativeOutput",
+    "TokenTree",
     "TransformersPeer",
+    "TreeDraft",
+    "TreeDrafter",
+    "ancestor_mask",
     "build_drafter",
     "build_speculative_method",
     "check_same_vocabulary",
     "crop_cache",
     "is_speculative_spec",
+    "keep_cache_slots",
+    "model_tree_mask",
     "positions_from_mask",
     "residual_distribution",
     "speculative_generate",
     "speculative_method_names",
     "verify_greedy",
     "verify_sampled",
+    "verify_tree",
+    "walk_tree",
 ]

@@ -51,6 +51,11 @@ class Draft:
         """Number of draft tokens per row, ``k``."""
         return int(self.tokens.shape[1])
 
+    @property
+    def depth(self) -> int:
+        """Most draft tokens one verification can accept: ``k`` for a chain (a token tree's depth for a tree)."""
+        return self.length
+
 
 class Drafter:
     """Base class of the drafters in :data:`mmaccel.speculative.METHODS`.

@@ -21,6 +21,10 @@ stopping time, so every row's output is still exactly distributed as (greedy: eq
 Per-row acceptance is recorded before taking the minimum (``SpeculativeOutput.accepted_per_row``); what the minimum
 costs is the gap between ``row_mean_accepted_length`` and ``mean_accepted_length``.
 
+A tree drafter's :class:`~mmaccel.speculative.TreeDraft` (batch 1) takes the other branch of the step: the whole tree
+goes through one forward with a tree attention mask, and the cache is compacted to the accepted path instead of
+cropped (:mod:`mmaccel.speculative.tree`; SpecInfer, Miao et al., 2023, arXiv 2305.09781).
+
 References
 ----------
 Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding", 2023, arXiv 2211.17192.
@@ -31,6 +35,7 @@ Xia et al., "Unlocking Efficiency in Large Language Model Inference: A Comprehen
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,10 +44,12 @@ import torch
 from transformers import DynamicCache
 
 from ..longctx import kv_cache_bytes
+from . import tree as _tree
 from . import verify as _verify
 from .base import Draft, Drafter, crop_cache, positions_from_mask
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength, check_draft_length
+from .tree import TreeDraft
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,7 @@ class SpeculativeOutput:
     draft_forwards : int
         Forward passes of a draft model (0 for model-free drafters).
     proposed : list of int
-        Draft tokens proposed per row at each verification step.
+        Draft tokens proposed per row at each verification step (for a token tree: its nodes, the tree size).
     accepted : list of int
         Draft tokens committed at each step (the same for every row; the minimum over unfinished rows).
     accepted_per_row : list of list of int
@@ -282,6 +289,22 @@ def _multimodal(model, ids: torch.Tensor, mask: torch.Tensor, model_inputs: dict
     return prefill, positions
 
 
+def _verify_chain(model, cache, seq, seq_mask, draft: Draft, start, positions, sampler: Sampler, generator):
+    """One verification forward of a draft chain: ``[pending, d_1 .. d_k]`` with true positions, then exact greedy
+    or lossless speculative sampling. Returns ``(logits [B, k + 1, V], accepted [B], next_tokens [B])``."""
+    B, k, device = seq.shape[0], draft.length, seq.device
+    draft_tokens = draft.tokens.to(device)
+    step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
+    step_mask = torch.cat([seq_mask, seq_mask.new_ones(B, k)], dim=1)
+    position_ids = positions(start + torch.arange(k + 1, device=device)[None])
+    logits = model(input_ids=step_in, attention_mask=step_mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True).logits[:, -(k + 1):]
+    if sampler.greedy:
+        return (logits, *_verify.verify_greedy(logits, draft_tokens))
+    q = None if draft.probs is None else draft.probs.to(device=device, dtype=torch.float32)
+    return (logits, *_verify.verify_sampled(sampler.probs(logits), draft_tokens, q, generator))
+
+
 @torch.inference_mode()
 def speculative_generate(
     model,
@@ -315,7 +338,10 @@ def speculative_generate(
     input_ids : torch.LongTensor
         [B, L] or [L] prompt token ids, left-padded when ``B > 1`` rows differ in length.
     drafter : Drafter
-        A drafter from :data:`mmaccel.speculative.METHODS` (e.g. ``DraftModel``, ``PromptLookup``, ``Jacobi``).
+        A drafter from :data:`mmaccel.speculative.METHODS` (e.g. ``DraftModel``, ``PromptLookup``, ``Jacobi``), or a
+        tree drafter (``DraftTree``, ``DynamicDraftTree``) whose :class:`~mmaccel.speculative.TreeDraft` is verified
+        in one forward with a tree attention mask and depth-based positions, the cache then compacted to the accepted
+        path (:func:`mmaccel.speculative.tree.verify_tree`; SpecInfer, Miao et al., 2023, arXiv 2305.09781); batch 1.
     max_new_tokens : int
         Most tokens to generate per row, ``>= 1``.
     temperature : float
@@ -323,7 +349,8 @@ def speculative_generate(
     top_k, top_p : optional
         Filters applied identically to draft and target distributions (transformers' order and rules).
     num_draft_tokens : int or AdaptiveDraftLength
-        Draft tokens per step, ``>= 1``, or an adaptive schedule driven by the running acceptance rate.
+        Draft tokens per step, ``>= 1``, or an adaptive schedule driven by the running acceptance rate; for a tree
+        drafter, the most depth a tree may have.
     eos_token_id : int, list of int, None or "config"
         Stop tokens; ``"config"`` (default) takes ``model.generation_config.eos_token_id`` like ``generate``;
         ``None`` never stops early.
@@ -355,7 +382,9 @@ def speculative_generate(
         ``temperature < 0``, ``num_draft_tokens <= 0``, ``max_new_tokens < 1``, bad ``top_k``/``top_p``, right
         padding, a drafter that cannot serve this target (e.g. a draft model with another vocabulary or
         tokenizer), a non-empty or non-croppable ``cache``, or ``model_inputs`` with a prompt of one token or one
-        that ends on an image/video placeholder; each message names the fix.
+        that ends on an image/video placeholder; with a tree drafter, batch size > 1, a cache that is not plain
+        ``DynamicLayer`` layers, or an attention implementation that takes no custom 4-D mask; each message names
+        the fix.
     TypeError
         If ``drafter`` is not a :class:`Drafter`.
 
@@ -412,9 +441,9 @@ def speculative_generate(
             t0 = time.perf_counter()
             if k_ask > 0:
                 draft = drafter.propose(seq, seq_mask, k_ask, sampler, generator)
-                if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or not 0 <= draft.length <= k_ask:
-                    raise RuntimeError(f"{out.drafter} proposed tokens of shape {tuple(draft.tokens.shape)}; "
-                                       f"expected [{B}, 0..{k_ask}]")
+                if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or not 0 <= draft.depth <= k_ask:
+                    raise RuntimeError(f"{out.drafter} proposed tokens of shape {tuple(draft.tokens.shape)} (depth "
+                                       f"{draft.depth}); expected [{B}, 0..{k_ask}]")
             else:
                 draft = Draft(tokens=seq.new_zeros(B, 0))
             _sync(device)
@@ -424,26 +453,24 @@ def speculative_generate(
             draft_tokens = draft.tokens.to(device)
 
             t0 = time.perf_counter()
-            step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
-            step_mask = torch.cat([seq_mask, seq_mask.new_ones(B, k)], dim=1)
             start = positions_from_mask(seq_mask)[:, -1:]
-            position_ids = positions(start + torch.arange(k + 1, device=device)[None])
             held = cache.get_seq_length()  # slots before this step (fewer than committed tokens after a reduction)
-            logits = model(input_ids=step_in, attention_mask=step_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True).logits[:, -(k + 1):]
-            out.target_forwards += 1
-            if sampler.greedy:
-                acc_rows, next_rows = _verify.verify_greedy(logits, draft_tokens)
+            if isinstance(draft, TreeDraft):
+                # one forward over the whole tree; the cache is compacted to the accepted path (tree.py)
+                tv = _tree.verify_tree(model, cache, seq[:, -1:], draft, start, sampler, generator, positions)
+                logits, draft_tokens, next_rows = tv.logits, tv.tokens, tv.next_token
+                acc_rows = torch.tensor([len(tv.path)], device=device)
+                draft = dataclasses.replace(draft, path=tv.path)
             else:
-                probs = sampler.probs(logits)
-                q = None if draft.probs is None else draft.probs.to(device=device, dtype=torch.float32)
-                acc_rows, next_rows = _verify.verify_sampled(probs, draft_tokens, q, generator)
+                logits, acc_rows, next_rows = _verify_chain(model, cache, seq, seq_mask, draft, start, positions,
+                                                            sampler, generator)
+            out.target_forwards += 1
             live = ~finished
             m = int(acc_rows[live].min()) if k > 0 else 0
             # row b appends d_1..d_m and then: its own d_{m+1} if it accepted it, else the target's token
             own = acc_rows > m
             tail = next_rows.clone()
-            if k > m:
+            if draft_tokens.shape[1] > m:
                 tail = torch.where(own, draft_tokens[:, m], next_rows)
             chunk = torch.cat([draft_tokens[:, :m], tail[:, None]], dim=1)[:, :left]  # [B, c]
             # EOS: pad finished rows and everything after a row's first EOS, like generate
@@ -479,7 +506,7 @@ def speculative_generate(
             if out.steps == 1:
                 out.first_token_seconds = time.perf_counter() - t_start
             if schedule is not None:
-                schedule.update(k, m)
+                schedule.update(draft.depth, m)
             if bool(finished.all()):
                 break
     finally:

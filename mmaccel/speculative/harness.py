@@ -9,9 +9,11 @@ Inference: A Comprehensive Survey of Speculative Decoding", 2024, arXiv 2401.078
 Specs
 -----
 - Engine drafters (:data:`mmaccel.speculative.METHODS`), run by :func:`~mmaccel.speculative.speculative_generate`:
-  ``draft:model=micro-draft``, ``prompt_lookup:max_ngram=3``, ``pld``, ``jacobi``. Every drafter spec also takes
-  ``k`` (draft tokens per step, ``>= 1``; default 4, 10 for prompt lookup as in PLD) and ``adaptive=true``
-  (:class:`~mmaccel.speculative.AdaptiveDraftLength` starting at ``k``).
+  ``draft:model=micro-draft``, ``prompt_lookup:max_ngram=3``, ``pld``, ``jacobi``, and the token-tree drafters
+  ``tree:model=micro-draft:shape=3,2,2`` (static top-k tree) and ``dytree:model=micro-draft:width=4:depth=5``
+  (grown by draft confidence), greedy or sampled, batch 1. Every drafter spec also takes ``k`` (draft tokens per
+  step, ``>= 1``; default 4, 10 for prompt lookup as in PLD, the tree's depth for a tree, where ``k`` caps the
+  depth) and ``adaptive=true`` (:class:`~mmaccel.speculative.AdaptiveDraftLength` starting at ``k``).
 - transformers' own speculative paths (:data:`PEERS`), run by ``model.generate(**kwargs)``:
   ``hf_assisted:model=micro-draft`` (``assistant_model=``), ``hf_prompt_lookup:num_tokens=10``
   (``prompt_lookup_num_tokens=``), ``hf_early_exit:layers=15`` (``assistant_early_exit=``).
@@ -440,6 +442,7 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
     ----------
     spec : str or MethodSpec
         ``"draft:model=micro-draft:k=4"``, ``"prompt_lookup:max_ngram=3"``, ``"jacobi:k=4:adaptive=true"``,
+        ``"tree:model=micro-draft:shape=3,2,2"``, ``"dytree:width=4:depth=5"``,
         ``"hf_assisted:model=micro-draft"``, ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``.
     draft : str or transformers.PreTrainedModel, optional
         The draft/assistant for ``draft`` and ``hf_assisted`` specs that name no ``model=``.
@@ -461,15 +464,15 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
     if parsed.name not in METHODS:
         raise ValueError(f"unknown speculative method {parsed.name!r}; drafters: {', '.join(sorted(METHODS))}; "
                          f"transformers peers: {', '.join(sorted(PEERS))}")
-    k = kwargs.pop("k", DEFAULT_K.get(parsed.name, 4))
+    k = kwargs.pop("k", None)
     adaptive = kwargs.pop("adaptive", False)
     if not isinstance(adaptive, bool):
         raise ValueError(  # noqa: TRY004 - a bad spec value is a configuration error (one `error:` line)
             f"{parsed.name}: adaptive must be true or false, got {adaptive!r} (in {parsed.text!r})")
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
         raise ValueError(f"{parsed.name}: draft length k must be an integer >= 1, got {k!r} (in {parsed.text!r}); "
                          f"e.g. {parsed.name}:k=4")
-    if parsed.name == "draft" and draft is not None and "model" not in kwargs:
+    if issubclass(METHODS[parsed.name], DraftModel) and draft is not None and "model" not in kwargs:
         kwargs["model"] = draft
     valid = accepted_keys(METHODS[parsed.name]) or []
     unknown = [key for key in kwargs if key not in valid]
@@ -477,5 +480,7 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
         raise ValueError(f"drafter {parsed.name!r} has no argument {', '.join(map(repr, unknown))}; valid keys: "
                          f"{', '.join(valid + ['k', 'adaptive'])} (in {parsed.text!r})")
     drafter = build_from_registry(MethodSpec(parsed.name, kwargs, parsed.text), METHODS, "drafter")
+    if k is None:  # a tree drafter's depth, else the drafter's usual draft length
+        k = getattr(drafter, "depth", None) or DEFAULT_K.get(parsed.name, 4)
     length = AdaptiveDraftLength(start=k, max_tokens=max(16, k)) if adaptive else k
     return SpeculativeMethod(drafter, length)
