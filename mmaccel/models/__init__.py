@@ -1,9 +1,11 @@
-"""mmaccel.models: model loading, the offline micro-model zoo, and real models fetched from the package index."""
+"""mmaccel.models: model loading, the offline micro-model zoo, real models fetched from the package index, and
+models built from them (``smol-llava``)."""
+from .built import BUILT, NotTrainedError, list_built
 from .fetched import FETCHED, FetchError, fetch, list_fetched
 from .loading import ModelLoadError, load, resolve_model_path
 from .zoo import ZOO, list_models, zoo_path
 
 __all__ = [
     "load", "resolve_model_path", "ModelLoadError", "ZOO", "list_models", "zoo_path", "FETCHED", "FetchError",
-    "fetch", "list_fetched",
+    "fetch", "list_fetched", "BUILT", "NotTrainedError", "list_built",
 ]

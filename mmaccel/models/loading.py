@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .built import BUILT, NotTrainedError, load_built, load_built_processor, trained_weights
 from .fetched import FETCHED, FetchError, fetch, is_fetched, verify
 from .zoo import ZOO, zoo_path
 
@@ -59,10 +60,18 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> st
     ModelLoadError
         A trained zoo model whose weights are missing (names the train command), a fetched zoo model that cannot be
         fetched (no network and no cache: names the fetch command) or whose cached files are corrupted (deleted,
-        names the fetch command), a path that does not exist, a local directory without ``config.json``, or a
-        string that is neither a path nor a hub id (the message lists the zoo).
+        names the fetch command), a path that does not exist, a local directory without ``config.json``, a
+        string that is neither a path nor a hub id (the message lists the zoo), or a built zoo model (composed at
+        load time: not trained yet names ``mmaccel zoo train NAME``, otherwise the message says to use ``load``).
     """
     name = str(name_or_path)
+    if name in BUILT:
+        try:
+            trained_weights(name)
+        except NotTrainedError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        raise ModelLoadError(f"{name} is composed from other zoo models at load time and has no single checkpoint "
+                             f"folder: load it with mmaccel.load({name!r})")
     if name in FETCHED:
         try:
             if not is_fetched(name, cache_dir):
@@ -84,7 +93,8 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> st
     if _looks_like_hub_id(name):
         return name
     raise ModelLoadError(
-        f"unknown model {name!r}: not a zoo model ({', '.join([*ZOO, *FETCHED])}), not an existing local directory, "
+        f"unknown model {name!r}: not a zoo model ({', '.join([*ZOO, *FETCHED, *BUILT])}), not an existing local "
+        "directory, "
         "and not a hub id of the form 'org/name'"
     )
 
@@ -96,9 +106,9 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     Parameters
     ----------
     name_or_path : str or path
-        A zoo name (``micro-lm``, ``micro-draft``, or the fetched ``smollm2-135m``, ``dinov2-small``; see
-        ``mmaccel zoo list``), a local HF checkpoint directory, or a hub id (``org/name``; needs network access and
-        no ``HF_HUB_OFFLINE``).
+        A zoo name (``micro-lm``, ``micro-draft``, the fetched ``smollm2-135m``, ``dinov2-small``, or the built
+        ``smol-llava``, composed from fetched parts and a committed projector; see ``mmaccel zoo list``), a local HF
+        checkpoint directory, or a hub id (``org/name``; needs network access and no ``HF_HUB_OFFLINE``).
     device : str
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda[:N]"``. With ``device_map`` it only picks
         the default dtype.
@@ -125,10 +135,15 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     ------
     ModelLoadError
         A missing path, a checkpoint whose architecture transformers cannot load as a causal LM or VLM
-        (unsupported architecture), or a hub id while offline (the message says to pass a local path).
+        (unsupported architecture), a hub id while offline (the message says to pass a local path), or a built zoo
+        model whose trained piece is missing (the message names ``mmaccel zoo train NAME``; raised before any part
+        is fetched) or that is asked for with ``device_map``.
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    if str(name_or_path) in BUILT:
+        return _load_built(str(name_or_path), device=device, dtype=dtype, attn_implementation=attn_implementation,
+                           cache_dir=cache_dir, device_map=device_map)
     source = resolve_model_path(name_or_path, cache_dir=cache_dir)
     is_local = Path(source).exists()
     if not is_local and _offline():
@@ -183,6 +198,24 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     return model, tokenizer
 
 
+def _load_built(name: str, *, device, dtype, attn_implementation, cache_dir, device_map):
+    """:func:`load` for a built zoo model: compose it on the CPU, then move it."""
+    if device_map is not None:
+        raise ModelLoadError(f"{name} is composed from parts in CPU memory; device_map is not supported for it: "
+                             "pass device= instead")
+    device = _resolve_device(device)
+    if attn_implementation == "mmaccel":
+        from ..kernels.hf import register_attention
+
+        register_attention()
+    try:
+        model, processor = load_built(name, cache_dir=cache_dir, dtype=_resolve_dtype(dtype, device),
+                                      attn_implementation=attn_implementation)
+    except NotTrainedError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return model.to(device).eval(), processor
+
+
 def load_tokenizer(name_or_path, *, cache_dir=None):
     """Load only the tokenizer (or processor) of a model, in seconds, e.g. to validate prompts before a slow load.
 
@@ -190,6 +223,11 @@ def load_tokenizer(name_or_path, *, cache_dir=None):
     """
     from transformers import AutoTokenizer
 
+    if str(name_or_path) in BUILT:
+        try:
+            return load_built_processor(str(name_or_path), cache_dir=cache_dir)
+        except NotTrainedError as exc:
+            raise ModelLoadError(str(exc)) from exc
     source = resolve_model_path(name_or_path, cache_dir=cache_dir)
     if not Path(source).exists() and _offline():
         raise ModelLoadError(

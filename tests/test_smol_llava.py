@@ -1,0 +1,281 @@
+"""smol-llava's build, projector training and loading, on tiny random parts that go through the real build code.
+
+The parts are a 2-layer Dinov2 (hidden 32, a 7 x 7 position grid, so the 168 px build must interpolate) with a
+``BitImageProcessor``, and a 2-layer Llama (hidden 32, tied embeddings) with a ChatML-style BPE tokenizer, both saved
+as checkpoint folders like the zoo's fetched ``dinov2-small`` and ``smollm2-135m``. The Llama is initialised with
+std 0.2 (not 0.02) so that its logits can be confident and a projector can steer it.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import (
+    AutoProcessor,
+    BitImageProcessor,
+    Dinov2Config,
+    Dinov2Model,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaForConditionalGeneration,
+    PreTrainedTokenizerFast,
+)
+
+import mmaccel
+from mmaccel.data.scenes import ANSWERS, make_scene_qa
+from mmaccel.models import built as built_mod
+from mmaccel.models import smol_llava as sl
+from mmaccel.models import train_smol_llava as tr
+from mmaccel.models.loading import ModelLoadError, load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tokenizer(texts):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """(vision_dir, language_dir): tiny random Dinov2 and Llama checkpoints with their processor and tokenizer."""
+    root = tmp_path_factory.mktemp("smol-llava-parts")
+    torch.manual_seed(0)
+    vision = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=98, patch_size=14))
+    vision.save_pretrained(root / "vision")
+    BitImageProcessor(size={"shortest_edge": 112}, crop_size={"height": 98, "width": 98},
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(root / "vision")
+    texts = [f"{q.question} {tr.INSTRUCTION} {q.answer}" for q in make_scene_qa(30, seed=0)] + list(ANSWERS)
+    tokenizer = _tokenizer(texts)
+    tokenizer.save_pretrained(root / "language")
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=2))
+    lm.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    lm.save_pretrained(root / "language")
+    return root / "vision", root / "language"
+
+
+@pytest.fixture(scope="module")
+def built(parts):
+    return sl.build_llava(*parts)
+
+
+def _inputs(processor, qas):
+    texts = [processor.apply_chat_template(tr.messages(q.question), add_generation_prompt=True, tokenize=False)
+             for q in qas]
+    return processor(images=[q.image for q in qas], text=texts, return_tensors="pt", padding=True)
+
+
+@pytest.fixture(scope="module")
+def batch(built):
+    """Two held-out questions of different lengths (so row 0 or 1 is left-padded)."""
+    qas = make_scene_qa(5, seed=0, split="test")
+    qas = [qas[0], qas[3]]  # a colour question and a relation question
+    inputs = _inputs(built[1], qas)
+    assert (inputs["attention_mask"] == 0).any()
+    return qas, inputs
+
+
+def _logits(model, inputs):
+    pos = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(**inputs, position_ids=pos).logits
+
+
+# ------------------------------------------------------------------------------------------------------------ build
+def test_build_recipe_grid_tokens_and_tower_positions(parts, built):
+    model, processor = built
+    cfg = model.config
+    assert isinstance(model, LlavaForConditionalGeneration)
+    assert cfg.vision_config.image_size // cfg.vision_config.patch_size == 12
+    assert (cfg.vision_feature_layer, cfg.vision_feature_select_strategy) == (-1, "default")
+    # <image> is appended, its embedding row is the mean of the others, and the LM head still shares the table
+    lm_vocab = LlamaForCausalLM.from_pretrained(parts[1]).config.vocab_size
+    assert cfg.image_token_id == lm_vocab == processor.tokenizer.convert_tokens_to_ids("<image>")
+    emb = model.get_input_embeddings().weight
+    assert emb.shape[0] == lm_vocab + 1 and model.lm_head.weight is emb
+    torch.testing.assert_close(emb[-1], emb[:-1].mean(0))
+    # one <image> in the prompt -> 144 tokens; pixels are 168 x 168
+    inputs = _inputs(processor, make_scene_qa(1, seed=0))
+    assert int((inputs["input_ids"] == cfg.image_token_id).sum()) == 144
+    assert tuple(inputs["pixel_values"].shape) == (1, 3, 168, 168)
+    # the resized position table computes what the 98 px checkpoint computes on a 168 px input
+    original = Dinov2Model.from_pretrained(parts[0]).eval()
+    assert original.embeddings.position_embeddings.shape[1] == 1 + 49
+    assert model.model.vision_tower.embeddings.position_embeddings.shape[1] == 1 + 144
+    with torch.no_grad():
+        ref = original(inputs["pixel_values"]).last_hidden_state
+        got = model.model.vision_tower(inputs["pixel_values"]).last_hidden_state
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    # the visual-token methods see a 12 x 12 LLaVA grid with no prefix token
+    from mmaccel.vision_tokens.base import VLMParts
+
+    found = VLMParts.find(model)
+    assert found.kind == "llava" and [(g.h, g.w, g.prefix) for g in found.grids(144, None)] == [(12, 12, 0)]
+
+
+def test_generate_is_greedy_on_the_image_and_question(built, batch):
+    model, processor = built
+    qas, inputs = batch
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)[:, inputs["input_ids"].shape[1]:]
+    assert out.shape == (2, 3)
+    logits = _logits(model, inputs)
+    assert out[:, 0].tolist() == logits[:, -1].argmax(-1).tolist()
+    # the image matters: another scene under the same question changes the next-token distribution
+    other = _inputs(processor, [dataclasses.replace(qas[0], image=make_scene_qa(9, seed=1)[8].image), qas[1]])
+    assert not torch.allclose(_logits(model, other)[0, -1], logits[0, -1])
+
+
+def test_projected_features_land_on_the_image_positions(built, batch):
+    model, _ = built
+    _, inputs = batch
+    seen = []
+
+    def capture(module, args, kwargs):
+        seen.append(kwargs["inputs_embeds"].detach().clone())
+
+    hook = model.model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+            ref = model.model.get_image_features(inputs["pixel_values"]).pooler_output  # HF's own path, per image
+            mine = sl.projector_of(model)(sl.image_features(model, inputs["pixel_values"]))
+    finally:
+        hook.remove()
+    ids = inputs["input_ids"]
+    mask = ids == model.config.image_token_id
+    assert mask.sum(1).tolist() == [144, 144]
+    embeds = seen[0]
+    torch.testing.assert_close(embeds[mask].view(2, 144, -1), torch.stack(list(ref)), rtol=0, atol=0)
+    torch.testing.assert_close(mine, torch.stack(list(ref)), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        text = model.get_input_embeddings()(ids)
+    assert torch.equal(embeds[~mask], text[~mask])
+
+
+def test_cached_feature_path_gives_the_models_logits(built, batch):
+    model, processor = built
+    qas, inputs = batch
+    examples, images = tr.encode_examples(processor, qas)
+    prompt_len = inputs["attention_mask"].sum(1).tolist()
+    assert [len(e.input_ids) - e.n_target for e in examples] == prompt_len
+    feats = tr.cache_features(model, processor, images)
+    assert tuple(feats.shape) == (2, 144, 32)
+    b = tr.collate(examples, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        embeds = sl.embed_with_features(model, b["input_ids"], feats[b["images"]])
+        got = model(inputs_embeds=embeds, attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+        ref = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
+                    pixel_values=inputs["pixel_values"]).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    # the targets are exactly the answer tokens and EOS, right-aligned
+    for row, e in zip(b["targets"], examples):
+        assert row[row != -100].tolist() == e.input_ids[-e.n_target:]
+        assert e.input_ids[-1] == processor.tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+def test_projector_only_step_freezes_the_rest_and_lowers_the_loss(parts):
+    model, processor = sl.build_llava(*parts)
+    params = tr.freeze_all_but_projector(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "multi_modal_projector" not in n}
+    proj_before = [p.detach().clone() for p in params]
+    examples, images = tr.encode_examples(processor, make_scene_qa(4, seed=3))
+    feats = tr.cache_features(model, processor, images)
+    b = tr.collate(examples, processor.tokenizer.pad_token_id)
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    losses = [tr.train_step(model, opt, b, feats)["loss"] for _ in range(20)]
+    assert len(params) == 4 and sum(p.numel() for p in params) == 32 * 32 + 32 + 32 * 32 + 32
+    for name, p in model.named_parameters():
+        if "multi_modal_projector" in name:
+            assert p.grad is not None
+        else:
+            assert p.grad is None and not p.requires_grad and torch.equal(p, frozen[name]), name
+    assert all(not torch.equal(a, p) for a, p in zip(proj_before, params))
+    assert losses[-1] < 0.8 * losses[0] and sum(losses[-5:]) < sum(losses[:5]) - 5, losses
+
+
+def test_train_writes_a_projector_that_loads_back_identically(parts, built, batch, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "smol-llava"
+    summary = tr.train(out, steps=4, batch_size=2, lr=3e-3, warmup=1, eval_n=4, log_every=2, vision=str(parts[0]),
+                       language=str(parts[1]), progress=True)
+    assert "ETA:" in capsys.readouterr().err
+    assert summary["steps_done"] == 4 and summary["examples_seen"] == 8 and summary["train_scenes"] == 4
+    assert [h["step"] for h in summary["history"]] == [2, 4]
+    assert summary["eta"]["per_step_s"] > 0 and summary["projector_params"] == 2 * 32 * 32 + 2 * 32
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["eval"]["n"] == 4 and set(log["eval"]["by_kind"]) <= {"colour", "shape", "count", "relation", "size"}
+    card = (out / "README.md").read_text()
+    assert tr.CARD_MARKER in card and summary["command"] in card
+    assert summary["command"].startswith("python -m mmaccel.models.train_smol_llava --steps 4 --batch-size 2 --lr 0.003")
+    assert "--warmup 1 --eval-n 4 --vision " in summary["command"]
+    # mmaccel.load composes the same parts and the written projector: one model, whose score is the logged one
+    entry = dataclasses.replace(built_mod.BUILT["smol-llava"], parts=(("vision", str(parts[0])),
+                                                                      ("language", str(parts[1]))))
+    monkeypatch.setitem(built_mod.BUILT, "smol-llava", entry)
+    monkeypatch.setattr(built_mod, "built_path", lambda name: out)
+    model, processor = mmaccel.load("smol-llava", device="cpu")
+    assert isinstance(processor, type(built[1]))
+    ev = tr.evaluate_scene_qa(model, processor, make_scene_qa(4, seed=0, split="test"))
+    assert ev["accuracy"] == log["eval"]["accuracy"]
+    again, _ = sl.build_llava(*parts, projector=out / "projector.safetensors")
+    _, inputs = batch
+    assert torch.equal(_logits(again, inputs), _logits(model, inputs))
+    assert not torch.equal(_logits(built[0], inputs), _logits(model, inputs))  # the projector was trained
+    assert load_tokenizer("smol-llava").tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_id
+
+
+def test_hf_save_pretrained_round_trip(built, batch, tmp_path):
+    model, processor = built
+    _, inputs = batch
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    again = LlavaForConditionalGeneration.from_pretrained(tmp_path).eval()
+    proc = AutoProcessor.from_pretrained(tmp_path)
+    assert proc.tokenizer.padding_side == "left"
+    qas, _ = batch
+    assert torch.equal(_logits(again, _inputs(proc, qas)), _logits(model, inputs))
+
+
+# ------------------------------------------------------------------------------------------------------------ errors
+def test_untrained_projector_is_one_clear_error_before_any_part_loads(tmp_path, monkeypatch):
+    entry = dataclasses.replace(built_mod.BUILT["smol-llava"], parts=(("vision", str(tmp_path / "no-vision")),
+                                                                      ("language", str(tmp_path / "no-language"))))
+    monkeypatch.setitem(built_mod.BUILT, "smol-llava", entry)
+    monkeypatch.setattr(built_mod, "built_path", lambda name: tmp_path)
+    for call in (lambda: mmaccel.load("smol-llava"), lambda: load_tokenizer("smol-llava")):
+        with pytest.raises(ModelLoadError, match="not trained yet.*run `mmaccel zoo train smol-llava`"):
+            call()
+    from mmaccel.cli import main
+
+    assert main(["zoo", "train", "smol-llava", "--max-steps", "3"]) == 2
+    assert main(["zoo", "train", "micro-lm", "--batch-size", "3"]) == 2
+
+
+def test_a_projector_for_other_parts_is_refused(built, tmp_path):
+    model, _ = built
+    path = tmp_path / "projector.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"linear_1.weight": torch.zeros(8, 8)}, str(path), metadata={"format": "something else"})
+    with pytest.raises(ValueError, match="not an mmaccel LLaVA projector"):
+        sl.load_projector(model, path)
+    sl.save_projector(model, path)
+    state = dict(sl.projector_of(model).state_dict())
+    state["linear_1.weight"] = torch.zeros(32, 16)
+    save_file(state, str(path), metadata={"format": "mmaccel-llava-projector-v1", "recipe": sl.BuildRecipe().to_json()})
+    with pytest.raises(ValueError, match="trained for other parts"):
+        sl.load_projector(model, path)
