@@ -130,12 +130,11 @@ def test_bad_arguments_are_one_clear_error(spec, message):
         build_method(spec)
 
 
-def test_registered_round_trips_and_refuses_padding_and_the_chunked_wrapper(sdpa):
+def test_registered_round_trips_and_refuses_padding(sdpa):
     assert METHODS["quest"] is Quest
     method = build_method("quest:budget=32:page_size=8")
     assert build_method(method.spec) == method
-    with pytest.raises(ValueError, match="prefill_chunk_size"):
-        build_method("chunked:chunk=8:method=quest,budget=32")
+    assert build_method("chunked:chunk=8:method=quest,budget=32").method == Quest(budget=32)  # wrapped, see methods
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="left-padded batch"):
