@@ -261,3 +261,51 @@ def test_right_padding_is_refused(tiny):
     with pytest.raises(ValueError, match="left padding"):
         speculative_generate(target, torch.tensor([[5, 6, 0]]), PromptLookup(), max_new_tokens=4,
                              attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+# ------------------------------------------------------------------------------------ per-step bookkeeping
+def test_column_positions_equal_positions_from_mask():
+    """The pad counts of the prompt give every later position: equal to the cumsum rule, pads included, and the
+    growing table agrees with the direct computation."""
+    from mmaccel.speculative import column_positions, left_padding, positions_from_mask
+    from mmaccel.speculative.base import ColumnPositions
+
+    gen = torch.Generator().manual_seed(0)
+    for width, batch in ((9, 1), (13, 4)):
+        lengths = torch.randint(1, width + 1, (batch,), generator=gen)
+        mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()
+        mask = torch.cat([mask, torch.ones(batch, 7, dtype=torch.long)], dim=1)  # decoded tokens are all real
+        pads = left_padding(mask[:, :width])
+        assert (pads is None) == bool(mask.all())
+        ref = positions_from_mask(mask)
+        table = ColumnPositions(pads, batch, capacity=2)
+        for start, stop in ((0, mask.shape[1]), (width - 1, width + 3), (3, 4)):
+            assert torch.equal(column_positions(start, stop, pads, batch), ref[:, start:stop])
+            assert torch.equal(table(start, stop), ref[:, start:stop])
+    assert left_padding(torch.ones(2, 5, dtype=torch.long)) is None
+
+
+def test_commit_cuts_at_the_last_live_rows_eos():
+    """When the last live row stops, the chunk ends at its EOS; an EOS inside an already finished row's filler
+    does not lengthen it (generate stops at the step the last row finishes)."""
+    from mmaccel.speculative.engine import _commit
+
+    finished = [True, False]
+    m, rows = _commit([[5, 2, 7, 7], [2, 8, 9, 9]], [4, 1], [3, 4], finished, left=10, eos={2}, pad=0)
+    assert m == 1 and finished == [True, True]
+    assert rows == [[0], [2]]
+    finished = [False, False]  # rows accept different counts: the minimum is committed, each row its own next token
+    m, rows = _commit([[5, 6, 7], [5, 8, 9]], [3, 1], [4, 3], finished, left=10, eos=set(), pad=0)
+    assert (m, rows, finished) == (1, [[5, 6], [5, 3]], [False, False])
+
+
+def test_vocabulary_check_reruns_for_other_tokenizers(tiny):
+    """The draft's vocabulary check is skipped only for the very objects it already passed."""
+    target, draft = tiny
+    a = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
+    b = types.SimpleNamespace(get_vocab=lambda: {"a": 1, "b": 0})
+    drafter = DraftModel(draft, tokenizer=a, target_tokenizer=a)
+    speculative_generate(target, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=4)
+    drafter.target_tokenizer = b
+    with pytest.raises(ValueError, match="tokenizer maps tokens to ids differently"):
+        speculative_generate(target, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=4)

@@ -17,7 +17,7 @@ holds transformers' own speculative paths (``hf_assisted``, ``hf_prompt_lookup``
 from __future__ import annotations
 
 from ..specs import build_from_registry
-from .base import Draft, Drafter, crop_cache, positions_from_mask
+from .base import Draft, Drafter, column_positions, crop_cache, left_padding, positions_from_mask
 from .draft_model import DraftModel, check_same_vocabulary
 from .engine import SpeculativeOutput, speculative_generate
 from .harness import (
@@ -97,9 +97,11 @@ __all__ = [
     "build_drafter",
     "build_speculative_method",
     "check_same_vocabulary",
+    "column_positions",
     "crop_cache",
     "is_speculative_spec",
     "keep_cache_slots",
+    "left_padding",
     "model_tree_mask",
     "positions_from_mask",
     "residual_distribution",

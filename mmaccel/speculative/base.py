@@ -155,6 +155,78 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
 
 
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """Leading pad columns per row of a left-padded mask, or ``None`` when no row has any.
+
+    Decoding appends only real tokens, so these counts fix every later position (:func:`column_positions`) and say
+    once per generation whether the forwards need an attention mask at all.
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor
+        [B, T], 1 for real tokens, 0 for (left) padding.
+
+    Returns
+    -------
+    torch.LongTensor or None
+        [B, 1] pad counts; ``None`` if the mask is all ones.
+    """
+    pads = attention_mask.shape[1] - attention_mask.long().sum(dim=-1, keepdim=True)
+    return pads if bool(pads.any()) else None
+
+
+def column_positions(start: int, stop: int, pads: torch.Tensor | None, batch: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """RoPE positions of the columns ``start .. stop - 1`` of a left-padded batch, without a pass over the mask.
+
+    Equal to ``positions_from_mask(mask)[:, start:stop]`` for any mask whose padding is all on the left (pad
+    columns get 0, the real token at column ``j`` of a row with ``p`` pads gets ``j - p``).
+
+    Parameters
+    ----------
+    start, stop : int
+        Column range, ``0 <= start <= stop``.
+    pads : torch.LongTensor or None
+        [B, 1] from :func:`left_padding`; ``None`` = no padding.
+    batch : int
+        ``B``.
+    device : torch.device or str
+        Where the positions live.
+
+    Returns
+    -------
+    torch.LongTensor
+        [B, stop - start] position ids (an expanded view of one row when there is no padding).
+    """
+    pos = torch.arange(start, stop, device=device)[None]
+    return pos.expand(batch, -1) if pads is None else (pos - pads).clamp_min(0)
+
+
+class ColumnPositions:
+    """:func:`column_positions` of one generation, sliced from a table built once (one tensor op per call instead
+    of an ``arange`` and its arithmetic); the table doubles when a column past its end is asked for.
+
+    Parameters
+    ----------
+    pads, batch, device
+        As in :func:`column_positions`.
+    capacity : int
+        Columns of the first table (e.g. prompt length + new tokens, so that it never grows).
+    """
+
+    def __init__(self, pads: torch.Tensor | None, batch: int, device: torch.device | str = "cpu",
+                 capacity: int = 256):
+        self.pads, self.batch, self.device = pads, batch, device
+        self._table = column_positions(0, max(int(capacity), 1), pads, batch, device)
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        """[B, stop - start] positions of the columns ``start .. stop - 1`` (a view of the table)."""
+        if stop > self._table.shape[1]:
+            self._table = column_positions(0, max(stop, 2 * self._table.shape[1]), self.pads, self.batch,
+                                           self.device)
+        return self._table[:, start:stop]
+
+
 def crop_cache(cache: Cache, length: int) -> None:
     """Roll a ``DynamicCache`` back to its first ``length`` slots with transformers' own ``crop`` (the KV rollback of
     rejected draft tokens in speculative decoding, Leviathan et al., 2023, arXiv 2211.17192).

@@ -6,12 +6,13 @@ Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampli
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import ClassVar
 
 import torch
 from transformers import DynamicCache
 
-from .base import Draft, Drafter, crop_cache, positions_from_mask
+from .base import ColumnPositions, Draft, Drafter, crop_cache, left_padding
 from .sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class DraftModel(Drafter):
         self.target_tokenizer = target_tokenizer
         self.stop_below = stop_below
         self._cache = None
-        self._mask = None
+        self._checked = None
         self._forwards = 0
 
     def _load(self, target) -> None:
@@ -106,7 +107,8 @@ class DraftModel(Drafter):
         logger.info("loaded draft model %s", self.model_ref)
 
     def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
-        """Load the draft if needed, check its vocabulary against the target's, start a fresh draft cache.
+        """Load the draft if needed, check its vocabulary against the target's (once per target, draft and tokenizer
+        objects), start a fresh draft cache.
 
         Raises
         ------
@@ -114,43 +116,65 @@ class DraftModel(Drafter):
             A different vocabulary size, BOS/EOS ids or tokenizer (see :func:`check_same_vocabulary`).
         """
         self._load(target)
-        check_same_vocabulary(self.model, target, self.tokenizer, self.target_tokenizer)
+        checked = (self.model, self.tokenizer, self.target_tokenizer)
+        last = self._checked  # (weakref to the target, draft, tokenizers) of the last passed check
+        if last is None or last[0]() is not target or any(a is not b for a, b in zip(last[1:], checked)):
+            check_same_vocabulary(self.model, target, self.tokenizer, self.target_tokenizer)  # ~1 ms per 2k vocab
+            self._checked = (weakref.ref(target), *checked)
         self._cache = DynamicCache(config=self.model.config)
+        self._device = next(self.model.parameters()).device
+        self._pads = left_padding(attention_mask)
+        if self._pads is not None:
+            self._pads = self._pads.to(self._device)
+        self._positions = ColumnPositions(self._pads, input_ids.shape[0], self._device,
+                                          capacity=2 * input_ids.shape[1] + 64)
         self._forwards = 0
         self._proposed = 0
 
-    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the draft on the new ``tokens`` [B, n] given the full mask [B, S + n]; returns last logits [B, V]."""
-        n = tokens.shape[1]
-        pos = positions_from_mask(mask)[:, -n:]
-        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=self._cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]
+    def _forward(self, tokens: torch.Tensor, end: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the draft on the new ``tokens`` [B, n], the sequence's columns ``end - n .. end - 1``; returns the
+        logits at the last of them, [B, 1, V].
+
+        ``mask`` [B, >= end] is the sequence's attention mask, used only when the prompt was padded (otherwise the
+        forward gets none: every column is real). Positions come from the prompt's pad counts
+        (:class:`~mmaccel.speculative.base.ColumnPositions`), not from a pass over the mask.
+        """
+        logits = self.model(input_ids=tokens, attention_mask=None if self._pads is None else mask[:, :end],
+                            position_ids=self._positions(end - tokens.shape[1], end), past_key_values=self._cache,
+                            use_cache=True, logits_to_keep=1).logits
         self._forwards += 1
         return logits
 
     def propose(self, sequences, attention_mask, k, sampler, generator=None) -> Draft:
         """Draft up to ``k`` tokens; see :meth:`Drafter.propose`. Returns probabilities [B, k, V] when sampling."""
-        device = next(self.model.parameters()).device
-        seq, mask = sequences.to(device), attention_mask.to(device)
+        seq = sequences if sequences.device == self._device else sequences.to(self._device)
+        B, T = seq.shape
+        mask = None
+        if self._pads is not None:  # the mask of the whole proposal, sliced per forward
+            mask = attention_mask.to(self._device)
+            mask = torch.cat([mask, mask.new_ones(B, k)], dim=1)
         held = self._cache.get_seq_length()
         forwards0 = self._forwards
-        logits = self._forward(seq[:, held:], mask)
+        logits = self._forward(seq[:, held:], T, mask)  # [B, 1, V]
         tokens, probs = [], []
-        confidence = torch.ones(seq.shape[0], device=device)
+        confidence = None
         for i in range(k):
-            tok, p = sampler.choose(logits, generator)
+            if sampler.greedy:  # the argmax, [B, 1]; no one-hot distribution (greedy drafts carry no probs)
+                tok, p = logits.argmax(dim=-1), None
+            else:
+                tok, p = sampler.choose(logits[:, -1], generator)
+                tok = tok[:, None]
             tokens.append(tok)
             probs.append(p)
             if self.stop_below is not None:
-                top1 = (p if not sampler.greedy else self.model_probs(logits)).max(dim=-1).values
-                confidence = confidence * top1
+                top1 = (p if p is not None else self.model_probs(logits[:, -1])).max(dim=-1).values
+                confidence = top1 if confidence is None else confidence * top1
                 if float(confidence.min()) < self.stop_below:
                     break
             if i + 1 < k:
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-                logits = self._forward(tok[:, None], mask)
+                logits = self._forward(tok, T + i + 1, mask)
         self._proposed += len(tokens)
-        draft_tokens = torch.stack(tokens, dim=1)
+        draft_tokens = torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0]
         draft_probs = None if sampler.greedy else torch.stack(probs, dim=1)
         return Draft(tokens=draft_tokens, probs=draft_probs, forwards=self._forwards - forwards0)
 

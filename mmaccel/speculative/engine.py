@@ -21,6 +21,13 @@ stopping time, so every row's output is still exactly distributed as (greedy: eq
 Per-row acceptance is recorded before taking the minimum (``SpeculativeOutput.accepted_per_row``); what the minimum
 costs is the gap between ``row_mean_accepted_length`` and ``mean_accepted_length``.
 
+Per-step bookkeeping stays off the tensor path: positions are slices of one table built from the prompt's left-pad
+counts (:class:`~mmaccel.speculative.base.ColumnPositions`; only real tokens are appended), a batch without padding
+runs its decoding forwards with no attention mask (transformers then skips the mask checks), the drafter sees views
+of one preallocated mask, and acceptance, EOS and padding are decided on Python lists after one ``tolist`` per step
+(:func:`_commit`). ``benchmarks/spec_overhead.py`` measures what is left (Python calls and ATen ops per step outside
+the two models' forwards, and the wall time they cost).
+
 A tree drafter's :class:`~mmaccel.speculative.TreeDraft` (batch 1) takes the other branch of the step: the whole tree
 goes through one forward with a tree attention mask, and the cache is compacted to the accepted path instead of
 cropped (:mod:`mmaccel.speculative.tree`; SpecInfer, Miao et al., 2023, arXiv 2305.09781).
@@ -46,7 +53,7 @@ from transformers import DynamicCache
 from ..longctx import kv_cache_bytes
 from . import tree as _tree
 from . import verify as _verify
-from .base import Draft, Drafter, crop_cache, positions_from_mask
+from .base import ColumnPositions, Draft, Drafter, crop_cache, left_padding, positions_from_mask
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength, check_draft_length
 from .tree import TreeDraft
@@ -289,20 +296,68 @@ def _multimodal(model, ids: torch.Tensor, mask: torch.Tensor, model_inputs: dict
     return prefill, positions
 
 
-def _verify_chain(model, cache, seq, seq_mask, draft: Draft, start, positions, sampler: Sampler, generator):
-    """One verification forward of a draft chain: ``[pending, d_1 .. d_k]`` with true positions, then exact greedy
-    or lossless speculative sampling. Returns ``(logits [B, k + 1, V], accepted [B], next_tokens [B])``."""
-    B, k, device = seq.shape[0], draft.length, seq.device
-    draft_tokens = draft.tokens.to(device)
+def _verify_chain(model, cache, seq, draft_tokens, position_ids, attention_mask, draft: Draft, sampler: Sampler,
+                  generator):
+    """One verification forward of a draft chain: ``[pending, d_1 .. d_k]`` (``draft_tokens`` [B, k]) at
+    ``position_ids``, then exact greedy or lossless speculative sampling. ``attention_mask`` [B, T + k] or ``None``
+    (no padding). Returns ``(logits [B, k + 1, V], accepted [B], next_tokens [B])``."""
+    k = draft_tokens.shape[1]
     step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
-    step_mask = torch.cat([seq_mask, seq_mask.new_ones(B, k)], dim=1)
-    position_ids = positions(start + torch.arange(k + 1, device=device)[None])
-    logits = model(input_ids=step_in, attention_mask=step_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True).logits[:, -(k + 1):]
+    logits = model(input_ids=step_in, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True).logits
+    if logits.shape[1] != k + 1:
+        logits = logits[:, -(k + 1):]
     if sampler.greedy:
         return (logits, *_verify.verify_greedy(logits, draft_tokens))
-    q = None if draft.probs is None else draft.probs.to(device=device, dtype=torch.float32)
+    q = None if draft.probs is None else draft.probs.to(device=logits.device, dtype=torch.float32)
     return (logits, *_verify.verify_sampled(sampler.probs(logits), draft_tokens, q, generator))
+
+
+def _commit(drafts: list, accepted: list, next_tokens: list, finished: list, left: int, eos: set, pad: int):
+    """The tokens every row appends after one verification, as Python lists (no tensor ops per step).
+
+    Parameters
+    ----------
+    drafts : list of list of int
+        Per row, the draft tokens verified (a tree: its accepted path).
+    accepted, next_tokens : list of int
+        Per row, the draft tokens its verification accepted and the target's token after them.
+    finished : list of bool
+        Rows already past EOS; updated in place.
+    left : int
+        Tokens still allowed per row.
+    eos : set of int
+        Stop tokens (empty: never stop early).
+    pad : int
+        Filler after EOS.
+
+    Returns
+    -------
+    m : int
+        Draft tokens committed to every row: the minimum over unfinished rows.
+    rows : list of list of int
+        Per row, ``d_1 .. d_m`` then the row's own ``d_{m+1}`` if it accepted it, else its target token; EOS and what
+        follows it, and finished rows, padded; cut at the last row's EOS when every row is finished (as ``generate``
+        stops).
+    """
+    live = [b for b, done in enumerate(finished) if not done]
+    m = min(accepted[b] for b in live)
+    rows = [(d[:m] + [d[m] if a > m else t])[:left] for d, a, t in zip(drafts, accepted, next_tokens)]
+    if not eos:
+        return m, rows
+    stops = []
+    for b in range(len(rows)):
+        if finished[b]:
+            rows[b] = [pad] * len(rows[b])
+            continue
+        hit = next((i for i, tok in enumerate(rows[b]) if tok in eos), None)
+        if hit is not None:
+            rows[b][hit + 1:] = [pad] * (len(rows[b]) - hit - 1)
+            finished[b] = True
+            stops.append(hit)
+    if all(finished):
+        rows = [r[: max(stops) + 1] for r in rows]
+    return m, rows
 
 
 @torch.inference_mode()
@@ -407,7 +462,6 @@ def speculative_generate(
     B, L = ids.shape
     eos = _eos_list(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     schedule = num_draft_tokens if isinstance(num_draft_tokens, AdaptiveDraftLength) else None
     if schedule is not None:
         schedule.reset()
@@ -415,8 +469,15 @@ def speculative_generate(
     out = SpeculativeOutput(sequences=ids, prompt_length=L, drafter=getattr(drafter, "name", type(drafter).__name__))
     cache = _check_cache(cache) if cache is not None else DynamicCache(config=model.config)
     prefill_inputs, positions = _multimodal(model, ids, mask, model_inputs)
-    seq, seq_mask = ids, mask
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    # only real tokens are appended, so the prompt's pad counts fix every later position, and an unpadded batch
+    # needs no attention mask in the decoding forwards; the drafter sees views of one preallocated mask
+    pads = left_padding(mask)
+    columns = ColumnPositions(pads, B, device, capacity=L + max_new_tokens)
+    mask_buf = mask.new_ones(B, L + max_new_tokens)
+    mask_buf[:, :L] = mask
+    seq, T = ids, L
+    finished = [False] * B
+    eos_set = set(eos)
     new = 0
 
     _sync(device)
@@ -440,7 +501,7 @@ def speculative_generate(
             k_ask = min(k_ask, left - 1)
             t0 = time.perf_counter()
             if k_ask > 0:
-                draft = drafter.propose(seq, seq_mask, k_ask, sampler, generator)
+                draft = drafter.propose(seq, mask_buf[:, :T], k_ask, sampler, generator)
                 if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or not 0 <= draft.depth <= k_ask:
                     raise RuntimeError(f"{out.drafter} proposed tokens of shape {tuple(draft.tokens.shape)} (depth "
                                        f"{draft.depth}); expected [{B}, 0..{k_ask}]")
@@ -450,43 +511,25 @@ def speculative_generate(
             out.draft_seconds += time.perf_counter() - t0
             out.draft_forwards += draft.forwards
             k = draft.length
-            draft_tokens = draft.tokens.to(device)
+            draft_tokens = draft.tokens if draft.tokens.device == device else draft.tokens.to(device)
 
             t0 = time.perf_counter()
-            start = positions_from_mask(seq_mask)[:, -1:]
             held = cache.get_seq_length()  # slots before this step (fewer than committed tokens after a reduction)
             if isinstance(draft, TreeDraft):
                 # one forward over the whole tree; the cache is compacted to the accepted path (tree.py)
+                start = columns(T - 1, T)
                 tv = _tree.verify_tree(model, cache, seq[:, -1:], draft, start, sampler, generator, positions)
-                logits, draft_tokens, next_rows = tv.logits, tv.tokens, tv.next_token
-                acc_rows = torch.tensor([len(tv.path)], device=device)
+                logits, draft_tokens = tv.logits, tv.tokens
+                accepted, next_tokens = [len(tv.path)], tv.next_token.tolist()
                 draft = dataclasses.replace(draft, path=tv.path)
             else:
-                logits, acc_rows, next_rows = _verify_chain(model, cache, seq, seq_mask, draft, start, positions,
-                                                            sampler, generator)
+                logits, acc_rows, next_rows = _verify_chain(
+                    model, cache, seq, draft_tokens, positions(columns(T - 1, T + k)),
+                    None if pads is None else mask_buf[:, : T + k], draft, sampler, generator)
+                accepted, next_tokens = acc_rows.tolist(), next_rows.tolist()
             out.target_forwards += 1
-            live = ~finished
-            m = int(acc_rows[live].min()) if k > 0 else 0
-            # row b appends d_1..d_m and then: its own d_{m+1} if it accepted it, else the target's token
-            own = acc_rows > m
-            tail = next_rows.clone()
-            if draft_tokens.shape[1] > m:
-                tail = torch.where(own, draft_tokens[:, m], next_rows)
-            chunk = torch.cat([draft_tokens[:, :m], tail[:, None]], dim=1)[:, :left]  # [B, c]
-            # EOS: pad finished rows and everything after a row's first EOS, like generate
-            if eos:
-                is_eos = torch.isin(chunk, eos_t)
-                after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
-                chunk = chunk.masked_fill(after | finished[:, None], pad)
-                now_done = finished | is_eos.any(dim=1)
-                if bool(now_done.all()):
-                    # generate stops at the step where the last row finishes: cut the chunk there
-                    first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1),
-                                            torch.full_like(acc_rows, -1))
-                    chunk = chunk[:, : int(first_eos.max()) + 1]
-                finished = now_done
-            else:
-                chunk = chunk.masked_fill(finished[:, None], pad)
+            was_finished = list(finished)
+            m, rows = _commit(draft_tokens.tolist(), accepted, next_tokens, finished, left, eos_set, pad)
             crop_cache(cache, held + 1 + m)  # keep the pending token and the m accepted drafts
             _sync(device)
             out.verify_seconds += time.perf_counter() - t0
@@ -496,18 +539,19 @@ def speculative_generate(
             _sync(device)
             out.draft_seconds += time.perf_counter() - t0
 
-            seq = torch.cat([seq, chunk], dim=1)
-            seq_mask = torch.cat([seq_mask, seq_mask.new_ones(B, chunk.shape[1])], dim=1)
-            new += chunk.shape[1]
+            c = len(rows[0])
+            seq = torch.cat([seq, torch.tensor(rows, dtype=seq.dtype, device=device)], dim=1)
+            T += c
+            new += c
             out.proposed.append(k)
             out.accepted.append(m)
-            out.accepted_per_row.append([int(a) if ok else -1 for a, ok in zip(acc_rows.tolist(), live.tolist())])
+            out.accepted_per_row.append([-1 if done else a for a, done in zip(accepted, was_finished)])
             out.draft_lengths.append(k_ask)
             if out.steps == 1:
                 out.first_token_seconds = time.perf_counter() - t_start
             if schedule is not None:
                 schedule.update(draft.depth, m)
-            if bool(finished.all()):
+            if all(finished):
                 break
     finally:
         out.drafter_telemetry = drafter.end()

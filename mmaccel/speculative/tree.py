@@ -53,7 +53,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from ..kernels.tree import tree_attention_mask
-from .base import Draft, crop_cache, positions_from_mask
+from .base import Draft, crop_cache
 from .draft_model import DraftModel
 from .sampling import Sampler
 
@@ -582,9 +582,10 @@ class TreeDrafter(DraftModel):
         seq, mask = sequences.to(device), attention_mask.to(device)
         forwards0 = self._forwards
         held = self._cache.get_seq_length()
-        logq = self._forward(seq[:, held:], mask).float().log_softmax(dim=-1)  # [1, V] after the pending token
+        T = seq.shape[1]
+        logq = self._forward(seq[:, held:], T, mask)[:, -1].float().log_softmax(dim=-1)  # [1, V] after the pending
         self._base, self._fed = self._cache.get_seq_length(), []
-        root_pos = positions_from_mask(mask)[:, -1:]
+        root_pos = self._positions(T - 1, T)
         parents, ranks, depths, tokens, score = [-1], [0], [0], [int(seq[0, -1])], [0.0]
         level = [0]
         for depth in range(1, min(k, self.depth) + 1):
