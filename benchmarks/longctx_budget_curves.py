@@ -130,7 +130,7 @@ def write_table(summary: dict, path: Path) -> None:
               "| method | " + " | ".join(str(l) for l in sorted(summary["full"])) + " |",
               "|---|" + "---|" * len(summary["full"])]
     for family, by_len in sorted(summary["smallest_budget_holding_95"].items()):
-        lines.append(f"| {family} | " + " | ".join(_fmt(by_len.get(l)) if by_len.get(l) is not None else "none ≤ 0.5"
+        lines.append(f"| {family} | " + " | ".join(_fmt(by_len.get(l)) if by_len.get(l) is not None else "none of those run"
                                                    for l in sorted(summary["full"])) + " |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
