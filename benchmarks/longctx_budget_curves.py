@@ -48,17 +48,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def load_records(dirs) -> list[dict]:
-    """Every record of the given sweep folders (``results.jsonl``), in order."""
-    records = []
-    for d in dirs:
-        path = Path(d) / "results.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; pass folders written by `mmaccel niah --out`")
-        records += [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-    return records
-
-
 def summarize(records: list[dict]) -> dict:
     """Rows per (method spec, length) with ratios to ``full`` on the same (length, depth, trial) prompts.
 
@@ -117,8 +106,8 @@ def _fmt(x, spec="{:.2f}"):
 
 def write_table(summary: dict, path: Path) -> None:
     """The summary as a Markdown table (one row per method spec and length)."""
-    lines = ["| method | length | budget | correct | K/V held vs full | K/V read / step | peak mem vs full "
-             "| TTFT vs full | tok/s vs full | load (1 min) |",
+    lines = [("| method | length | budget | correct | K/V held vs full | K/V read / step | peak mem vs full "
+              "| TTFT vs full | tok/s vs full | load (1 min) |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (r["length"], r["family"] != "full", r["family"],
                                                     r["budget"] or 0)):
@@ -188,7 +177,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(load_records(args.dirs))
+    from mmaccel.eval.niah import read_sweeps
+
+    summary = summarize(read_sweeps(args.dirs)[0])
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     write_table(summary, out / "table.md")
     plot(summary, out)

@@ -281,7 +281,12 @@ def test_comparison_niah_plot_and_errors(tmp_path):
                for m, ok in (("full", True), ("streaming:window=8", False)) for n in (64, 128) for d in (0.0, 1.0)]
     comp = Comparison(records=records)
     fig = comp.plot(kind="niah", path=tmp_path / "niah.png")
-    assert len(fig.axes) == 2 and (tmp_path / "niah.png").exists()
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(panels) == {"NIAH accuracy: full", "NIAH accuracy: streaming:window=8"}
+    assert (tmp_path / "niah.png").exists()
+    # each panel is the depth x length accuracy grid of its method
+    assert panels["NIAH accuracy: full"].images[0].get_array().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert panels["NIAH accuracy: streaming:window=8"].images[0].get_array().tolist() == [[0.0, 0.0], [0.0, 0.0]]
     with pytest.raises(ValueError, match="unknown plot kind 'pie'; choose 'ratios' or 'niah'"):
         comp.plot(kind="pie")
     with pytest.raises(ValueError, match="NIAH heatmaps need records of NIAH prompts"):

@@ -313,17 +313,28 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     -------
     pathlib.Path
     """
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(5.0, 1.8 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.5 * len(depths))), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    fig.colorbar(draw_heatmap(ax, cells, lengths, depths, title), ax=ax, label="accuracy")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path
+
+
+def draw_heatmap(ax, cells: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str):
+    """Draw the accuracy heatmap of :func:`plot_heatmap` into a matplotlib ``ax``; return the image (for a
+    colorbar). Cells whose runs all failed, or that were not run, are grey and say so."""
+    import numpy as np
 
     grid = np.full((len(depths), len(lengths)), np.nan)
     for c in cells:
         if c["accuracy"] is not None:
             grid[list(depths).index(c["depth"]), list(lengths).index(c["length"])] = c["accuracy"]
-    fig = Figure(figsize=(max(5.0, 1.8 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.5 * len(depths))), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     ax.set_facecolor("#d0d0d0")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for c in cells:
@@ -338,11 +349,7 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    return path
+    return image
 
 
 WARMUP_TOKENS = 256
@@ -489,7 +496,7 @@ def _write_sweep(out: Path, records: list[dict], summary: dict, labels: Sequence
     return result
 
 
-def _read_sweeps(in_dirs: Sequence) -> tuple[list[dict], list[dict]]:
+def read_sweeps(in_dirs: Sequence) -> tuple[list[dict], list[dict]]:
     """Records and ``summary.json`` configs of several sweep folders, in the order given.
 
     Raises
@@ -677,7 +684,7 @@ def run_niah(
         return NIAHResult(records=records, summary=shard_summary, out_dir=run_dir, process_index=rank,
                           num_processes=n_proc)
     dirs = [shard_dir(out, k, n_proc) for k in range(n_proc)]
-    merged, _ = _read_sweeps(dirs)
+    merged, _ = read_sweeps(dirs)
     order = {(resolved[m][1], samples[s][1].length, samples[s][1].depth, samples[s][0]): i
              for i, (m, s) in enumerate(cells)}
     found = {_cell_key(r) for r in merged}
@@ -714,7 +721,7 @@ def merge_results(in_dirs: Sequence, out_dir) -> NIAHResult:
     ValueError
         If a method label appears in two sweeps for the same (length, depth, trial).
     """
-    records, configs = _read_sweeps(in_dirs)
+    records, configs = read_sweeps(in_dirs)
     lengths = sorted({r["extra"]["length"] for r in records})
     depths = sorted({r["extra"]["depth"] for r in records})
     summary = summarize(records, lengths, depths)

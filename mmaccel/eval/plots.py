@@ -3,16 +3,14 @@
 - :func:`metric_rows` -- the metrics table of one :class:`~mmaccel.eval.generation.RunRecord` (what each app column
   shows under its output);
 - :func:`ratio_figure` -- a grouped bar plot of each metric relative to the first column;
-- :func:`niah_figure` -- the NIAH accuracy heatmaps (drawn by :func:`mmaccel.eval.niah.plot_heatmap`), one panel per
+- :func:`niah_figure` -- the NIAH accuracy heatmaps (drawn by :func:`mmaccel.eval.niah.draw_heatmap`), one panel per
   method.
 
 Figures are ``matplotlib.figure.Figure`` objects on the Agg canvas: no pyplot state, no display needed.
 """
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 RATIO_METRICS = ("TTFT (s)", "vision encoder (s)", "prefill (s)", "decode time (s)", "tokens/s", "peak memory (MiB)",
                  "KV at end (MiB)")
@@ -122,7 +120,7 @@ def ratio_figure(labels: Sequence[str], rows: Sequence, metrics: Sequence[str] =
 
 def niah_figure(records: Sequence[dict]):
     """NIAH accuracy heatmaps (length x depth), one panel per method, each drawn by
-    :func:`mmaccel.eval.niah.plot_heatmap` exactly as ``mmaccel niah`` and the app show them.
+    :func:`mmaccel.eval.niah.draw_heatmap`, the same drawing ``mmaccel niah`` and the app save as PNGs.
 
     Parameters
     ----------
@@ -139,9 +137,7 @@ def niah_figure(records: Sequence[dict]):
     ValueError
         If no record carries a NIAH length and depth.
     """
-    from matplotlib.image import imread
-
-    from .niah import plot_heatmap, safe_label, summarize
+    from .niah import draw_heatmap, summarize
 
     rows = [r for r in records if "length" in r.get("extra", {}) and "depth" in r.get("extra", {})]
     if not rows:
@@ -151,19 +147,12 @@ def niah_figure(records: Sequence[dict]):
     depths = sorted({r["extra"]["depth"] for r in rows})
     summary = summarize(rows, lengths, depths)
     labels = list(summary["methods"])
-    images = []
-    with tempfile.TemporaryDirectory(prefix="mmaccel-niah-") as tmp:
-        for i, label in enumerate(labels):
-            png = plot_heatmap(summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}",
-                               Path(tmp) / f"{i}_{safe_label(label)}.png")
-            images.append(imread(png))
-    cols = min(2, len(images))
-    nrows = -(-len(images) // cols)
-    h, w = images[0].shape[:2]
-    fig = _figure(w / 100 * cols, h / 100 * nrows)
-    for i, image in enumerate(images):
+    cols = min(2, len(labels))
+    nrows = -(-len(labels) // cols)
+    fig = _figure(max(5.0, 1.8 + 0.9 * len(lengths)) * cols, max(3.0, 1.4 + 0.5 * len(depths)) * nrows)
+    for i, label in enumerate(labels):
         ax = fig.add_subplot(nrows, cols, i + 1)
-        ax.imshow(image)
-        ax.set_axis_off()
-    fig.subplots_adjust(left=0, right=1, bottom=0, top=1, wspace=0.02, hspace=0.02)
+        image = draw_heatmap(ax, summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}")
+        fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
     return fig
