@@ -279,3 +279,23 @@ def test_a_projector_for_other_parts_is_refused(built, tmp_path):
     save_file(state, str(path), metadata={"format": "mmaccel-llava-projector-v1", "recipe": sl.BuildRecipe().to_json()})
     with pytest.raises(ValueError, match="trained for other parts"):
         sl.load_projector(model, path)
+
+
+@pytest.mark.parametrize("spec", ["visionzip", "prumerge"])
+def test_cls_attention_methods_run_on_the_dinov2_tower(built, batch, spec):
+    """VisionZip / PruMerge read the [CLS] attention of the projected tower block: DINOv2 keeps it at
+    ``layer.attention`` (CLIP / SigLIP: ``layer.self_attn``). Full budget: the logits are unchanged; at 0.25 the LM
+    sees a quarter of the visual tokens."""
+    from mmaccel.vision_tokens import build_method
+
+    model, _ = built
+    _, inputs = batch
+    with build_method(f"{spec}:keep_ratio=1.0").apply(model):
+        full = model(**inputs).logits
+    torch.testing.assert_close(full, model(**inputs).logits)
+    method = build_method(f"{spec}:keep_ratio=0.25")
+    with method.apply(model), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    n = int(inputs["input_ids"][0].eq(model.config.image_token_id).sum())  # 12 x 12 = 144 visual tokens a row
+    assert method.telemetry["tokens_before"] == [n, n]
+    assert method.telemetry["tokens_after"] == [n // 4, n // 4]

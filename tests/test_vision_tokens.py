@@ -252,7 +252,7 @@ def test_specs_build_and_refuse():
     assert build_method("tome:schedule=8-8-4").schedule == [8, 8, 4]
     with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
         build_method("pooling:keep_ratio=0")
-    with pytest.raises(ValueError, match="unknown visual-token method 'nope'; choose one of: fastv, pooling"):
+    with pytest.raises(ValueError, match="unknown visual-token method 'nope'; choose one of: aim, atp, fastv"):
         build_method("nope")
     with pytest.raises(ValueError, match="no argument 'budget'"):
         build_method("visionzip:budget=64")

@@ -5,13 +5,17 @@
 ...     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
 
 Stages: ``vision`` (inside the ViT: ToMe), ``pre-llm`` (between projector and LLM: pooling, VisionZip, PruMerge,
-temporal ToMe for video),
-``in-llm`` (inside the decoder: FastV). ``METHODS`` is the registry the CLI and the app list; adding a method is one
-file and one line here. Every method takes ``keep_ratio`` in (0, 1]; at 1.0 the model's outputs are unchanged.
+temporal ToMe for video, AIM's iterative merging),
+``in-llm`` (inside the decoder: FastV, ATP's adaptive budget, Progressive multi-layer schedules over either).
+``METHODS`` is the registry the CLI and the app list; adding a method is one file and one line here. Every method takes
+``keep_ratio`` in (0, 1]; at 1.0 the model's outputs are unchanged (ATP: ``keep_ratio`` is a cap on its adaptive
+budget, and only ``mass=1.0`` with it leaves the model unchanged).
 """
 from __future__ import annotations
 
 from ..specs import MethodSpec, build_from_registry
+from .aim import AIM, iterative_merge_plan
+from .atp import ATP, adaptive_keep, image_segments, mass_count
 from .base import (
     ImageGrid,
     ImageReducer,
@@ -27,6 +31,7 @@ from .base import (
 from .fastv import FastV
 from .plan import TokenPlan
 from .pooling import Pooling, pooled_grid, pooling_plan
+from .progressive import Progressive, parse_numbers
 from .prumerge import PruMerge, iqr_outliers, prumerge_plan
 from .temporal import TemporalToMe, temporal_merge_plan
 from .tome import ToMe, bipartite_soft_matching, parse_schedule
@@ -39,6 +44,9 @@ METHODS: dict[str, type[VisionTokenMethod]] = {
     "prumerge": PruMerge,
     "fastv": FastV,
     "temporal-tome": TemporalToMe,
+    "aim": AIM,
+    "atp": ATP,
+    "progressive": Progressive,
 }
 
 
@@ -55,12 +63,15 @@ def build_method(spec: str | MethodSpec) -> VisionTokenMethod:
 
 
 __all__ = [
+    "AIM",
+    "ATP",
     "METHODS",
     "FastV",
     "ImageGrid",
     "ImageReducer",
     "LayerPruner",
     "Pooling",
+    "Progressive",
     "PruMerge",
     "TemporalToMe",
     "ToMe",
@@ -69,12 +80,17 @@ __all__ = [
     "VLMParts",
     "VisionTokenMethod",
     "VisionZip",
+    "adaptive_keep",
     "bipartite_soft_matching",
     "build_method",
     "check_keep_ratio",
+    "image_segments",
     "iqr_outliers",
+    "iterative_merge_plan",
     "kept_count",
     "lift_to_sequence",
+    "mass_count",
+    "parse_numbers",
     "parse_schedule",
     "pooled_grid",
     "pooling_plan",

@@ -7,8 +7,10 @@ touches a transformers model lives here once:
   per-instance forward hooks (or swaps ``__class__`` on one instance's modules, as ToMe does) and removes them on exit.
   Nothing is patched at class level.
 - :class:`VLMParts` -- finds the language model, the vision tower and the image placeholder id of a LLaVA-style
-  (``LlavaForConditionalGeneration``) or Qwen2-VL-style (``Qwen2VLForConditionalGeneration``) model from its config
-  attributes and submodules, not from its name.
+  (``LlavaForConditionalGeneration``), AnyRes (``LlavaOnevisionForConditionalGeneration``,
+  ``LlavaNextForConditionalGeneration``) or Qwen2-VL-style (``Qwen2VLForConditionalGeneration``) model from its
+  config attributes and submodules, not from its name, and reads the token layout of every image as
+  :class:`ImageGrid` s.
 - :class:`ImageReducer` -- pre-LLM reduction (between projector and LLM). A subclass plans each image
   (:meth:`ImageReducer.plan_image`); the base lifts the per-image plans to one :class:`~.plan.TokenPlan` over the
   whole sequence and applies it at the entry of the language model to the embeddings, the position ids (LLaVA's
@@ -22,8 +24,23 @@ Qwen2-VL, the 4-row text + M-RoPE ids) and every plan gathers them, never renumb
 ``position_ids`` on a reduced cache gets ``arange(q) + past + (L - K)``, i.e. the original positions too (Qwen2-VL
 derives its own ids before the language model and needs ``generate``'s ids after a reduction).
 
-Batch > 1 works: rows are reduced independently but must keep the same number of tokens (the same number of images
-per row, as LLaVA's processor produces); left padding is carried by the 2-D mask.
+AnyRes layouts (LLaVA-OneVision, LLaVA-NeXT). An image's span in the sequence is one or two grids: the base image
+(``side x side`` patches), then for an image alone in its prompt the unpadded crops (downsampled past OneVision's
+``vision_aspect_ratio``) as an ``h x w`` raster whose every row is closed by an ``image_newline`` token
+(``ImageGrid(newline=True)``). An image of a multi-image prompt is the base grid plus one trailing newline, a
+OneVision video ``frames x ceil(side/2) x ceil(side/2)`` plus one (``suffix=1``). The layout is read from the packed
+features (newline tokens equal ``image_newline``), because ``generate`` drops ``image_sizes`` once the tower has run;
+a plain forward with ``pixel_values`` is encoded by the hook first, with ``get_image_features``, as ``generate``
+does. Newline tokens are structural, never merged or scored by pre-LLM methods: each grid's raster is planned on its
+own, a row's newline is kept iff the row keeps at least one token (a pooled crop grid then reads like the model's own
+downsampled layout: ``h'`` rows of ``w'`` tokens, each closed by a newline) and a trailing newline is always kept.
+In-LLM pruning (FastV) ranks the whole placeholder span, newline tokens included, as FastV's code does.
+
+Batch > 1 works: rows are reduced independently. Rows that keep different numbers of tokens (AnyRes images of
+different sizes, padded to one length; kept tokens spread over a different number of crop rows) are evened out:
+longer rows drop padding tokens (attention-mask 0: no token attends to them, so their outputs do not change), and
+rows still shorter take back dropped newline tokens of their crop grids (their outputs then differ from a batch-1
+run by those newlines); if neither suffices a ValueError says so. Left padding is carried by the 2-D mask.
 
 Composition: a pre-LLM and an in-LLM method can be applied together (``with Pooling(...).apply(m), FastV(...).apply(m)``
 in either order); the in-LLM method then prunes among the visual tokens the pre-LLM one kept. Two methods of the same
@@ -34,6 +51,7 @@ the last one); ``method.telemetry["kept_positions"]`` maps them back to the prom
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -132,7 +150,9 @@ class VisionTokenMethod:
         list of TokenPlan
             In the order the forward saw the images. Each plan is over that image's tokens as the method saw them:
             leading non-spatial tokens first ([CLS] and registers inside a tower, a kept [CLS] of LLaVA's ``"full"``
-            strategy), then the ``t x h x w`` patch raster. ``plan.slot_of()[0]`` [L] is the output token of every
+            strategy), then the ``t x h x w`` patch raster (AnyRes: one plan per :class:`ImageGrid`, i.e. the base
+            image, then the crops with every raster row followed by its newline token; trailing newline tokens
+            last). ``plan.slot_of()[0]`` [L] is the output token of every
             input token (``-1`` = pruned), ``plan.index[0]`` [K] the representatives, ``plan.sources()[0]`` [K] how
             many input tokens each output token holds. In-tower merging (ToMe) gives its source map (``last_source``,
             one row per image); pre-LLM methods (:class:`ImageReducer`) their per-image plans. Empty before the first
@@ -187,17 +207,50 @@ def _hook(undo: list, module: nn.Module, fn: Callable, *, pre: bool, with_kwargs
 # ---------------------------------------------------------------------------------------------------- model adapters
 @dataclass(frozen=True)
 class ImageGrid:
-    """The LLM-side token layout of one image: ``prefix`` leading non-spatial tokens (a kept [CLS]) then a
-    ``t x h x w`` raster of patch tokens (t > 1 for Qwen2-VL frames)."""
+    """The LLM-side token layout of one image, or of one part of an AnyRes image.
+
+    ``prefix`` leading non-spatial tokens (a kept [CLS]), then a ``t x h x w`` raster of patch tokens (frame-major,
+    then rows, then columns; t > 1 for Qwen2-VL and OneVision video frames), each of its ``t * h`` rows followed by
+    one newline token when ``newline`` (the ``image_newline`` column of AnyRes crops), then ``suffix`` trailing
+    non-spatial tokens (the one ``image_newline`` after a OneVision multi-image item or video).
+
+    Attributes
+    ----------
+    t, h, w : int
+        The raster.
+    prefix, suffix : int
+        Leading / trailing tokens outside the raster, always kept by pre-LLM methods.
+    newline : bool
+        Every raster row is closed by a newline token (``tokens`` counts them).
+    part : int
+        Index of the grid within its image: 0 for the first (the whole image for LLaVA and Qwen2-VL, the base image
+        for AnyRes), 1 for an AnyRes image's crops.
+    """
 
     t: int
     h: int
     w: int
     prefix: int = 0
+    newline: bool = False
+    suffix: int = 0
+    part: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.prefix + self.t * self.h * self.w
+        """All tokens of the grid's span: ``prefix + t * h * (w + newline) + suffix``."""
+        return self.prefix + self.t * self.h * (self.w + int(self.newline)) + self.suffix
+
+    def raster_index(self, device=None) -> torch.Tensor:
+        """[t * h * w] long: the offset of every raster token within the grid's ``tokens`` (skips prefix and
+        newlines)."""
+        rows = torch.arange(self.t * self.h, device=device)[:, None] * (self.w + int(self.newline))
+        return (self.prefix + rows + torch.arange(self.w, device=device)[None]).reshape(-1)
+
+    def newline_index(self, device=None) -> torch.Tensor:
+        """[t * h] long (empty without ``newline``): the offset of every row's newline token."""
+        if not self.newline:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return self.prefix + torch.arange(self.t * self.h, device=device) * (self.w + 1) + self.w
 
 
 @dataclass
@@ -208,14 +261,17 @@ class VLMParts:
     ----------
     inner : nn.Module
         The module that receives ``input_ids`` and ``pixel_values`` and calls the language model
-        (``LlavaModel``, ``Qwen2VLModel``).
+        (``LlavaModel``, ``LlavaOnevisionModel``, ``Qwen2VLModel``).
     lm : nn.Module
         The text decoder, with ``.layers`` (each with ``self_attn.q_proj/k_proj`` and rotate-half RoPE).
     tower : nn.Module
         The vision tower.
     image_token_id : int
-    kind : {"llava", "qwen2_vl"}
-        The token layout family, decided by the config (``vision_feature_select_strategy`` vs ``image_grid_thw``).
+    kind : {"llava", "anyres", "qwen2_vl"}
+        The token layout family, decided by the config: ``vision_feature_select_strategy`` (a fixed grid per image),
+        plus ``image_grid_pinpoints`` (AnyRes: base image + crops with ``image_newline`` tokens), or
+        ``vision_config.spatial_merge_size`` (Qwen2-VL's ``image_grid_thw``).
+    video_token_id : int or None
     """
 
     inner: nn.Module
@@ -226,8 +282,10 @@ class VLMParts:
     video_token_id: int | None = None
 
     SUPPORTED: ClassVar[str] = (
-        "LLaVA-1.5-style models (LlavaForConditionalGeneration / LlavaModel: a fixed grid per image) and "
-        "Qwen2-VL (Qwen2VLForConditionalGeneration / Qwen2VLModel)"
+        "LLaVA-1.5-style models (LlavaForConditionalGeneration / LlavaModel: a fixed grid per image), AnyRes "
+        "LLaVA-OneVision / LLaVA-NeXT (LlavaOnevisionForConditionalGeneration, LlavaNextForConditionalGeneration: a "
+        "base image plus unpadded crops with newline tokens) and Qwen2-VL (Qwen2VLForConditionalGeneration / "
+        "Qwen2VLModel)"
     )
 
     @classmethod
@@ -240,27 +298,54 @@ class VLMParts:
         if config is None or lm is None or image_token_id is None or not hasattr(lm, "layers"):
             return f"it is not a vision-language model with a language_model and an image token; supported: " \
                    f"{cls.SUPPORTED}"
-        if getattr(config, "image_grid_pinpoints", None) is not None:
-            return "AnyRes models (LLaVA-NeXT / OneVision: a variable number of crops per image) are not supported " \
-                   f"yet; supported: {cls.SUPPORTED}"
-        if hasattr(inner, "vision_tower") and hasattr(inner, "multi_modal_projector") and \
-                getattr(config, "vision_feature_select_strategy", None) in ("default", "full"):
+        llava_like = hasattr(inner, "vision_tower") and hasattr(inner, "multi_modal_projector") and \
+            getattr(config, "vision_feature_select_strategy", None) in ("default", "full")
+        video = getattr(config, "video_token_id", None)
+        video = None if video is None else int(video)
+        if llava_like and getattr(config, "image_grid_pinpoints", None) is not None:
+            if not isinstance(getattr(inner, "image_newline", None), torch.Tensor) or \
+                    "mm_encoder_outputs" not in inspect.signature(inner.forward).parameters:
+                return "an AnyRes model without an image_newline embedding or an mm_encoder_outputs argument; " \
+                       f"supported: {cls.SUPPORTED}"
+            return cls(inner, lm, inner.vision_tower, int(image_token_id), "anyres", video)
+        if llava_like:
             return cls(inner, lm, inner.vision_tower, int(image_token_id), "llava")
         if hasattr(inner, "visual") and hasattr(getattr(config, "vision_config", None), "spatial_merge_size"):
-            video = getattr(config, "video_token_id", None)
-            return cls(inner, lm, inner.visual, int(image_token_id), "qwen2_vl", None if video is None else int(video))
+            return cls(inner, lm, inner.visual, int(image_token_id), "qwen2_vl", video)
         return f"unrecognised vision-language layout; supported: {cls.SUPPORTED}"
 
-    def grids(self, n_image_tokens: int, image_grid_thw: torch.Tensor | None) -> list[ImageGrid]:
+    def grids(self, n_image_tokens: int, image_grid_thw: torch.Tensor | None = None, *,
+              features: Any = None, media: str = "image") -> list[ImageGrid]:
         """The layout of every image (or video) in a prefill, in the order their tokens appear.
+
+        Parameters
+        ----------
+        n_image_tokens : int
+            Placeholder tokens of ``media`` in the batch.
+        image_grid_thw : torch.Tensor, optional
+            Qwen2-VL: [n, 3] ``(t, h, w)`` patches per image (or video).
+        features : list of torch.Tensor or torch.Tensor, optional
+            AnyRes: the packed features the language model receives, one [n_i, D] tensor per image (a list) or
+            [V, n, D] for videos (``mm_encoder_outputs[media].pooler_output``); the layout is read from where they
+            equal ``image_newline``.
+        media : {"image", "video"}
+
+        Returns
+        -------
+        list of ImageGrid
+            One per image for LLaVA and Qwen2-VL; an AnyRes image alone in its prompt gives two (``part`` 0: the base
+            image, ``part`` 1: the crops with their newline column).
 
         Raises
         ------
         ValueError
-            If the number of image tokens does not fit whole images.
+            If the number of image tokens does not fit whole images, Qwen2-VL grids are missing, or AnyRes features
+            are missing or do not have the base + crops + newline layout.
         """
         config = self.inner.config
-        if self.kind == "llava":
+        if self.kind == "anyres":
+            grids = self._anyres_grids(features, media)
+        elif self.kind == "llava":
             vc = config.vision_config
             side = vc.image_size // vc.patch_size
             prefix = 1 if config.vision_feature_select_strategy == "full" else 0
@@ -268,12 +353,51 @@ class VLMParts:
             if n_image_tokens % per_image:
                 raise ValueError(f"{n_image_tokens} image tokens is not a whole number of {per_image}-token images")
             return [ImageGrid(1, side, side, prefix)] * (n_image_tokens // per_image)
-        merge = config.vision_config.spatial_merge_size
-        if image_grid_thw is None:
-            raise ValueError("Qwen2-VL input with image/video tokens but no image_grid_thw/video_grid_thw")
-        grids = [ImageGrid(int(t), int(h) // merge, int(w) // merge) for t, h, w in image_grid_thw.tolist()]
+        else:
+            merge = config.vision_config.spatial_merge_size
+            if image_grid_thw is None:
+                raise ValueError("Qwen2-VL input with image/video tokens but no image_grid_thw/video_grid_thw")
+            grids = [ImageGrid(int(t), int(h) // merge, int(w) // merge) for t, h, w in image_grid_thw.tolist()]
         if sum(g.tokens for g in grids) != n_image_tokens:
             raise ValueError(f"the grid gives {sum(g.tokens for g in grids)} tokens, the input has {n_image_tokens}")
+        return grids
+
+    def _anyres_grids(self, features: Any, media: str) -> list[ImageGrid]:
+        """Read the AnyRes packing (transformers' ``pack_image_features`` / OneVision's ``get_video_features``)
+        back from the packed features: ``side^2`` base tokens, then either one newline (an image of a multi-image
+        prompt) or ``h`` rows of ``w`` crop tokens + newline; a video is ``frames x ceil(side/2)^2`` + one newline."""
+        if features is None:
+            raise ValueError("an AnyRes layout is read from the packed features: pass features=pooler_output")
+        vc = self.inner.config.vision_config
+        side = vc.image_size // vc.patch_size
+        newline = self.inner.image_newline
+        grids = []
+        for k, feats in enumerate(features):
+            is_newline = (feats == newline.to(feats.device, feats.dtype)).all(dim=-1)  # [n]
+            n = int(is_newline.shape[0])
+            if media == "video":
+                pooled = math.ceil(side / 2)  # OneVision's apply_pooling: bilinear to ceil(side / 2) per frame
+                frames = (n - 1) // (pooled * pooled)
+                if n < 2 or frames * pooled * pooled != n - 1 or not bool(is_newline[-1]) or \
+                        bool(is_newline[:-1].any()):
+                    raise ValueError(f"video {k}: {n} tokens are not frames of {pooled}x{pooled} pooled tokens plus "
+                                     "one image_newline (the LLaVA-OneVision video layout)")
+                grids.append(ImageGrid(frames, pooled, pooled, suffix=1))
+                continue
+            base, rest = side * side, is_newline[side * side:]
+            if n <= base or bool(is_newline[:base].any()):
+                raise ValueError(f"image {k}: {n} tokens do not start with a {side}x{side} base image")
+            if rest.numel() == 1 and bool(rest[0]):
+                grids.append(ImageGrid(1, side, side, suffix=1))
+                continue
+            width = int(rest.long().argmax()) + 1  # crop tokens per row + its newline
+            rows = rest.numel() // width
+            expected = torch.zeros(width, dtype=torch.bool, device=rest.device)
+            expected[-1] = True
+            if width < 2 or rows * width != rest.numel() or not bool((rest.view(rows, width) == expected).all()):
+                raise ValueError(f"image {k}: the {rest.numel()} tokens after the base image are not rows of crop "
+                                 "tokens closed by image_newline (the AnyRes layout)")
+            grids += [ImageGrid(1, side, side), ImageGrid(1, rows, width - 1, newline=True, part=1)]
         return grids
 
 
@@ -307,11 +431,18 @@ def _attach_outer(parts: VLMParts, state: _RunState, undo: list) -> None:
             kind = "image" if has_images else "video"
             token_id = parts.image_token_id if has_images else parts.video_token_id
             image_mask = input_ids == token_id
-            grids = parts.grids(int(image_mask.sum()), _grid_thw(parts, state, kwargs, kind))
+            features = None
+            if parts.kind == "anyres":  # the layout is read from the packed features: encode now if not yet done
+                if encoded.get(kind) is None:
+                    kwargs = _encode_media(parts, kwargs, kind)
+                features = kwargs["mm_encoder_outputs"][kind].pooler_output
+            grids = parts.grids(int(image_mask.sum()), _grid_thw(parts, state, kwargs, kind), features=features,
+                                media=kind)
             state.pending = {"image_mask": image_mask, "grids": grids, "kind": kind}
             state.vision.pop("grid_thw_calls", None)
         elif _past_length(kwargs) == 0:
             state.pending, state.plan = None, None  # a new prompt without images: nothing to reduce
+        return args, kwargs
 
     _hook(undo, parts.inner, pre, pre=True)
     if parts.kind == "qwen2_vl":  # generate() drops image_grid_thw once the tower has run: record it there
@@ -322,6 +453,21 @@ def _attach_outer(parts: VLMParts, state: _RunState, undo: list) -> None:
                 state.vision.setdefault("grid_thw_calls", []).append(grid)
 
         _hook(undo, parts.tower, tower_pre, pre=True)
+
+
+def _encode_media(parts: VLMParts, kwargs: dict, media: str) -> dict:
+    """Run ``get_image_features`` / ``get_video_features`` on the pixels of a forward and hand the result over as
+    ``mm_encoder_outputs`` -- what ``generate`` does before its first forward -- so that the packed features (and
+    with them the AnyRes layout) are known before the model runs. The model's outputs are the same."""
+    encode = getattr(parts.inner, f"get_{media}_features")
+    pixels = "pixel_values" if media == "image" else "pixel_values_videos"
+    wanted = inspect.signature(encode).parameters
+    args = {key: value for key, value in kwargs.items() if key in wanted and key != "kwargs" and value is not None}
+    kwargs = dict(kwargs)
+    kwargs.pop(pixels)
+    kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}),
+                                    media: encode(**args, return_dict=True)}
+    return kwargs
 
 
 def _grid_thw(parts: VLMParts, state: _RunState, kwargs: dict, kind: str) -> torch.Tensor | None:
@@ -339,7 +485,8 @@ def _grid_thw(parts: VLMParts, state: _RunState, kwargs: dict, kind: str) -> tor
     return None
 
 
-def lift_to_sequence(image_mask: torch.Tensor, grids: list[ImageGrid], plans: list[TokenPlan]) -> TokenPlan:
+def lift_to_sequence(image_mask: torch.Tensor, grids: list[ImageGrid], plans: list[TokenPlan],
+                     attention_mask: torch.Tensor | None = None) -> TokenPlan:
     """Lift per-image plans to one plan over the whole sequence (text tokens are always kept).
 
     Parameters
@@ -347,19 +494,25 @@ def lift_to_sequence(image_mask: torch.Tensor, grids: list[ImageGrid], plans: li
     image_mask : torch.Tensor
         [B, L] bool, the image placeholder tokens.
     grids : list of ImageGrid
-        Every image in order of appearance (row by row).
+        Every image (every grid of an AnyRes image) in order of appearance (row by row).
     plans : list of TokenPlan
-        One batch-1 plan per image over its ``grid.tokens`` tokens.
+        One batch-1 plan per grid over its ``grid.tokens`` tokens.
+    attention_mask : torch.Tensor, optional
+        [B, L] 2-D mask (0 = padding). If given and rows keep different numbers of tokens, they are evened out at
+        the lowest count that dropping padding tokens (earliest first) reaches; rows below it take back dropped
+        newline tokens of their ``ImageGrid.newline`` grids (earliest first; a row of kept tokens then ends with
+        two newlines).
 
     Raises
     ------
     ValueError
-        If rows end up with different token counts.
+        If rows end up with different token counts (and too little padding to even them out).
     """
     B, L = image_mask.shape
     device = image_mask.device
     rep = torch.arange(L, device=device).expand(B, L).clone()
     weight = torch.ones(B, L, device=device)
+    newline = torch.zeros(B, L, dtype=torch.bool, device=device)
     has_weight = False
     k = 0
     for b in range(B):
@@ -371,12 +524,45 @@ def lift_to_sequence(image_mask: torch.Tensor, grids: list[ImageGrid], plans: li
             slot = plan.slot_of()[0]
             local_rep = plan.index[0]
             rep[b, seg] = torch.where(slot >= 0, seg[local_rep[slot.clamp(min=0)]], torch.full_like(slot, -1))
+            newline[b, seg[grid.newline_index(device)]] = True
             if plan.weight is not None:
                 weight[b, seg] = plan.weight[0].to(weight.dtype)
                 has_weight = True
             offset += grid.tokens
             k += 1
+    if attention_mask is not None:
+        positions = torch.arange(L, device=device).expand(B, L)
+        kept = rep == positions
+        keep = _even_rows(kept, attention_mask == 0, spare=newline & (rep < 0))
+        rep = torch.where(keep & ~kept, positions, rep)  # a newline taken back is its own token again
+        rep = rep.masked_fill(kept & ~keep, -1)  # a dropped padding token represents nothing else
     return TokenPlan.from_representatives(rep, weight if has_weight else None)
+
+
+def _even_rows(keep: torch.Tensor, padding: torch.Tensor | None, spare: torch.Tensor | None = None) -> torch.Tensor:
+    """Even out the kept counts of a batch at the lowest count that dropping kept ``padding`` tokens ([B, L] bool;
+    attention-mask 0, so no token attends to them) reaches; rows below it take back ``spare`` tokens ([B, L] bool:
+    dropped tokens that may be kept, AnyRes newlines). Both earliest first.
+
+    ``keep`` [B, L] bool -> [B, L] bool. Raises ValueError if a row can be evened out neither way.
+    """
+    counts = keep.sum(dim=1)
+    if not keep.shape[0] or bool((counts == counts[0]).all()):
+        return keep
+    droppable = keep & padding if padding is not None else torch.zeros_like(keep)
+    spare = spare if spare is not None else torch.zeros_like(keep)
+    target = max(int((counts - droppable.sum(dim=1)).max()), int(counts.min()))
+    keep = keep.clone()
+    for b in range(keep.shape[0]):
+        change = int(counts[b]) - target
+        pool = (droppable[b] if change > 0 else spare[b]).nonzero().squeeze(1)
+        if abs(change) > pool.numel():
+            raise ValueError(f"batch rows keep {counts.tolist()} tokens, and row {b} cannot get to {target} (too few "
+                             "padding tokens to drop or newline tokens to take back): give a 2-D attention mask with "
+                             "enough left padding, images that give the same token counts, or run the prompts one at "
+                             "a time")
+        keep[b, pool[: abs(change)]] = change < 0
+    return keep
 
 
 def _compressed_lm_kwargs(state: _RunState, kwargs: dict) -> dict:
@@ -398,30 +584,39 @@ def _compressed_lm_kwargs(state: _RunState, kwargs: dict) -> dict:
 class ImageReducer(VisionTokenMethod):
     """Pre-LLM reduction: plan each image's projected tokens, then feed the LLM the reduced sequence.
 
-    A subclass implements :meth:`plan_image`; if it needs the vision tower's [CLS] attention it sets
-    ``needs_cls_attention`` and receives ``cls_attention`` [N] (mean over heads) and ``keys`` [N, d] (mean over
-    heads) of the layer whose output LLaVA feeds the projector.
+    A subclass implements :meth:`plan_image`, called once per :class:`ImageGrid` (per image; per part of an AnyRes
+    image) with that grid's ``t x h x w`` raster only; the base keeps the grid's prefix, suffix and newline tokens
+    (see the module notes) and lifts the plans to the sequence. If it needs the vision tower's [CLS] attention it
+    sets ``needs_cls_attention`` and receives ``cls_attention`` [N] (mean over heads) and ``keys`` [N, d] (mean over
+    heads) of the layer whose output LLaVA feeds the projector (LLaVA-1.5-style models only).
+
+    Attributes
+    ----------
+    telemetry : dict
+        ``tokens_before`` / ``tokens_after`` (one entry per grid, all its tokens), ``sequence_before`` /
+        ``sequence_after``, ``kept_positions`` [B, K] (original positions of the tokens the LLM sees).
     """
 
     stage: ClassVar[str] = "pre-llm"
     needs_cls_attention: ClassVar[bool] = False
 
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
-        """Plan one image.
+        """Plan one image (one grid).
 
         Parameters
         ----------
         features : torch.Tensor
-            [N, D] projected patch tokens (without the ``grid.prefix`` tokens).
+            [N, D] projected patch tokens of the ``grid.t x grid.h x grid.w`` raster (N = t*h*w, frame-major then
+            raster order), without the grid's prefix, newline and suffix tokens.
         grid : ImageGrid
         info : dict
-            ``image_index`` (order of appearance in the batch); ``cls_attention`` [N] and ``keys`` [N, d] when
-            ``needs_cls_attention``.
+            ``image_index`` (order of appearance in the batch, counting images), ``grid_index`` (counting grids);
+            ``cls_attention`` [N] and ``keys`` [N, d] when ``needs_cls_attention``.
 
         Returns
         -------
         TokenPlan
-            Batch 1, over the N patch tokens.
+            Batch 1, over the N raster tokens.
         """
         raise NotImplementedError
 
@@ -430,6 +625,10 @@ class ImageReducer(VisionTokenMethod):
         if isinstance(parts, str):
             return parts
         if self.needs_cls_attention:
+            if parts.kind == "anyres":
+                return "it needs one [CLS] attention map per image from the vision tower, and AnyRes models encode " \
+                       "an image as several crops (LLaVA-OneVision's SigLIP tower has no [CLS] at all); supported: " \
+                       "LLaVA-1.5-style models (LlavaForConditionalGeneration) with a [CLS]-token tower"
             if parts.kind != "llava":
                 return "it needs a [CLS] token in the vision tower (LLaVA-style CLIP/SigLIP towers); Qwen2-VL has none"
             reason = _cls_layer(parts)
@@ -450,21 +649,21 @@ class ImageReducer(VisionTokenMethod):
                 pending, state.pending = state.pending, None
                 if _past_length(kwargs) != 0:
                     raise ValueError(f"{type(self).__name__}: an image prefill on a non-empty cache is not supported")
-                plan = self._sequence_plan(pending, embeds, state)
+                mask = kwargs.get("attention_mask")
+                if mask is None:  # an explicit all-ones mask: gapped positions must not read as packed sequences
+                    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+                if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+                    raise ValueError(f"{type(self).__name__} needs a 2-D attention mask (or none); got a prepared mask")
+                plan = self._sequence_plan({**pending, "attention_mask": mask}, embeds, state)
                 state.plan = plan
-                # for an in-LLM method applied together with this one: which of the LLM's tokens are visual
+                # for an in-LLM method applied together with this one: which of the LLM's tokens are visual, padding
                 module._mmaccel_visual_mask = plan.take(pending["image_mask"])
                 kwargs["inputs_embeds"] = plan.merge(embeds)
                 pos = kwargs.get("position_ids")
                 if pos is None:
                     pos = torch.arange(embeds.shape[1], device=embeds.device)[None]
                 kwargs["position_ids"] = plan.take_positions(pos)
-                mask = kwargs.get("attention_mask")
-                if mask is None:  # an explicit all-ones mask: gapped positions must not read as packed sequences
-                    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-                if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-                    raise ValueError(f"{type(self).__name__} needs a 2-D attention mask (or none); got a prepared mask")
-                kwargs["attention_mask"] = plan.take(mask)
+                kwargs["attention_mask"] = module._mmaccel_attention_mask = plan.take(mask)
             elif state.plan is not None and _past_length(kwargs) > 0:
                 kwargs = _compressed_lm_kwargs(state, kwargs)
             return args, kwargs
@@ -472,32 +671,33 @@ class ImageReducer(VisionTokenMethod):
         _hook(undo, parts.lm, lm_pre, pre=True)
 
         def forget():
-            if hasattr(parts.lm, "_mmaccel_visual_mask"):
-                del parts.lm._mmaccel_visual_mask
+            for name in ("_mmaccel_visual_mask", "_mmaccel_attention_mask"):
+                if hasattr(parts.lm, name):
+                    delattr(parts.lm, name)
 
         undo.append(forget)
 
     def _sequence_plan(self, pending: dict, embeds: torch.Tensor, state: _RunState) -> TokenPlan:
         image_mask, grids = pending["image_mask"], pending["grids"]
         plans, before, after = [], [], []
-        k = 0
+        k, image = 0, -1
         for b in range(image_mask.shape[0]):
             pos = image_mask[b].nonzero().squeeze(1)
             offset = 0
             while offset < pos.numel():
                 grid = grids[k]
                 seg = pos[offset: offset + grid.tokens]
-                feats = embeds[b, seg]
-                info = {"image_index": k}
+                image += int(grid.part == 0)
+                feats = embeds[b, seg[grid.raster_index(seg.device)]]
+                info = {"image_index": image, "grid_index": k}
                 if self.needs_cls_attention:
                     info.update(cls_attention=state.vision["cls_attention"][k], keys=state.vision["keys"][k])
-                local = self.plan_image(feats[grid.prefix:], grid, info)
-                plans.append(_with_prefix(local, grid.prefix))
+                plans.append(_grid_plan(self.plan_image(feats, grid, info), grid))
                 before.append(grid.tokens)
                 after.append(plans[-1].num_kept)
                 offset += grid.tokens
                 k += 1
-        plan = lift_to_sequence(image_mask, grids, plans)
+        plan = lift_to_sequence(image_mask, grids, plans, pending.get("attention_mask"))
         self._image_plans = plans
         self.telemetry = {"method": self.name, "stage": self.stage, "media": pending.get("kind", "image"),
                           "tokens_before": before, "tokens_after": after,
@@ -515,18 +715,36 @@ def _plan_row(plan: TokenPlan, b: int) -> TokenPlan:
     return TokenPlan(index=row(plan.index), length=plan.length, assign=row(plan.assign), weight=row(plan.weight))
 
 
-def _with_prefix(plan: TokenPlan, prefix: int) -> TokenPlan:
-    """Prepend ``prefix`` always-kept tokens to a batch-1 plan."""
-    if prefix == 0:
+def _grid_plan(plan: TokenPlan, grid: ImageGrid) -> TokenPlan:
+    """Place a batch-1 plan over a grid's ``t*h*w`` raster into the grid's whole span (``grid.tokens``).
+
+    Prefix and suffix tokens are kept; a row's newline token is kept iff a kept token (a representative) lies in
+    that row, so the reduced span reads as rows of kept tokens, each closed by its newline. Merge weights of the
+    added tokens are 1.
+    """
+    if grid.tokens == plan.length:
         return plan
     device = plan.index.device
-    rep = torch.cat([torch.arange(prefix, device=device),
-                     torch.where(plan.slot_of()[0] >= 0, plan.index[0][plan.slot_of()[0].clamp(min=0)] + prefix,
-                                 torch.full((plan.length,), -1, dtype=torch.long, device=device))])
+    raster = grid.raster_index(device)
+    slot, local_rep = plan.slot_of()[0], plan.index[0]
+    rep = torch.arange(grid.tokens, device=device)  # prefix, suffix (and newlines, decided below) stay
+    rep[raster] = torch.where(slot >= 0, raster[local_rep[slot.clamp(min=0)]], torch.full_like(slot, -1))
+    if grid.newline:
+        row_kept = torch.zeros(grid.t * grid.h, dtype=torch.bool, device=device)
+        row_kept[local_rep // grid.w] = True
+        newlines = grid.newline_index(device)
+        rep[newlines] = torch.where(row_kept, newlines, torch.full_like(newlines, -1))
     weight = None
     if plan.weight is not None:
-        weight = torch.cat([torch.ones(prefix, device=device, dtype=plan.weight.dtype), plan.weight[0]])[None]
+        weight = torch.ones(grid.tokens, device=device, dtype=plan.weight.dtype)
+        weight[raster] = plan.weight[0]
+        weight = weight[None]
     return TokenPlan.from_representatives(rep[None], weight)
+
+
+def _with_prefix(plan: TokenPlan, prefix: int) -> TokenPlan:
+    """Prepend ``prefix`` always-kept tokens to a batch-1 plan."""
+    return _grid_plan(plan, ImageGrid(1, 1, plan.length, prefix))
 
 
 # ------------------------------------------------------------------------------------- vision-tower [CLS] attention
@@ -566,7 +784,7 @@ def _cls_layer(parts: VLMParts) -> int | str:
 def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
     """Capture, at the projected layer, the [CLS] -> patch attention (mean over heads) and the keys."""
     layer = vit_layers(parts.tower)[_cls_layer(parts)]
-    attn = layer.self_attn
+    attn = getattr(layer, "self_attn", None) or layer.attention  # CLIP / SigLIP: self_attn; DINOv2: attention
 
     def pre(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -574,7 +792,7 @@ def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
         heads = getattr(module, "num_heads", None) or module.config.num_attention_heads
         q = module.q_proj(hidden[:, :1]).view(n_img, 1, heads, -1).transpose(1, 2)  # [I, H, 1, d]
         k = module.k_proj(hidden).view(n_img, n, heads, -1).transpose(1, 2)  # [I, H, N+1, d]
-        scale = getattr(module, "scale", None) or q.shape[-1] ** -0.5
+        scale = getattr(module, "scale", None) or getattr(module, "scaling", None) or q.shape[-1] ** -0.5
         probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * scale, dim=-1)[:, :, 0]  # [I, H, N+1]
         state.vision["cls_attention"] = probs.mean(dim=1)[:, 1:]  # [I, N]
         state.vision["keys"] = k.mean(dim=1)[:, 1:]  # [I, N, d]
@@ -586,7 +804,12 @@ def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
 @dataclass
 class LayerPruner(VisionTokenMethod):
     """In-LLM pruning at decoder layer ``layer``: a subclass scores the sequence at layer ``layer - 1``
-    (:meth:`score`) and the base keeps all text tokens plus the top ``keep_ratio`` of each row's image tokens.
+    (:meth:`score`) and the base keeps all text tokens plus the top ``keep_ratio`` of each row's image tokens
+    (every placeholder token, AnyRes newline tokens included). Rows with different numbers of image tokens (AnyRes
+    images of different sizes) keep ``keep_ratio`` of their own and are evened out by dropping padding.
+
+    ``telemetry``: ``image_tokens_before`` / ``image_tokens_after`` (row 0; per row in ``rows_image_tokens_before``
+    / ``rows_image_tokens_after``), ``sequence_before`` / ``sequence_after``, ``kept_positions`` [B, K].
 
     Parameters
     ----------
@@ -623,7 +846,8 @@ class LayerPruner(VisionTokenMethod):
 
         def lm_pre(module, args, kwargs):
             if state.pending is not None and kwargs.get("inputs_embeds") is not None:
-                state.scratch = {"phase": "prefill", "lm": module, **state.pending}
+                state.scratch = {"phase": "prefill", "lm": module, "attention_mask": kwargs.get("attention_mask"),
+                                 **state.pending}
                 state.pending = None
                 state.plan = None
             elif state.plan is not None and _past_length(kwargs) > 0:
@@ -679,21 +903,29 @@ class LayerPruner(VisionTokenMethod):
         if image_mask.shape[1] != L:
             raise ValueError(f"{type(self).__name__}: the language model got {L} tokens for a {image_mask.shape[1]}-"
                              "token prompt and no record of which are visual")
-        counts = image_mask.sum(dim=1)
-        if not bool((counts == counts[0]).all()):
-            raise ValueError(f"{type(self).__name__}: rows hold different numbers of image tokens {counts.tolist()}")
-        n_img = int(counts[0])
-        n_keep = kept_count(n_img, self.keep_ratio) if n_img else 0
+        counts = image_mask.sum(dim=1).tolist()
+        n_keep = [kept_count(n, self.keep_ratio) if n else 0 for n in counts]
         masked = scores.float().masked_fill(~image_mask, float("-inf"))
-        top = masked.topk(n_keep, dim=1).indices
         keep = ~image_mask
-        keep = keep.scatter(1, top, True)
+        for b in range(B):
+            keep[b, masked[b].topk(n_keep[b]).indices] = True
+        keep = _even_rows(keep, _padding(state.scratch, B, L))
         plan = TokenPlan.from_keep(keep)
         self.telemetry = {"method": self.name, "stage": self.stage, "layer": self.layer,
-                          "image_tokens_before": n_img, "image_tokens_after": n_keep,
+                          "image_tokens_before": counts[0] if B else 0, "image_tokens_after": n_keep[0] if B else 0,
+                          "rows_image_tokens_before": counts, "rows_image_tokens_after": n_keep,
                           "sequence_before": L, "sequence_after": plan.num_kept,
                           "kept_positions": plan.index.tolist()}
         return plan
+
+
+def _padding(scratch: dict, B: int, L: int) -> torch.Tensor | None:
+    """[B, L] bool padding tokens of the sequence the language model runs on (its 2-D mask, or the reduced mask a
+    pre-LLM method handed on), or ``None`` if unknown or there is no 2-D mask."""
+    for mask in (scratch.get("attention_mask"), getattr(scratch.get("lm"), "_mmaccel_attention_mask", None)):
+        if isinstance(mask, torch.Tensor) and mask.shape == (B, L):
+            return mask == 0
+    return None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -269,6 +269,10 @@ class ToMe(VisionTokenMethod):
         parts = VLMParts.find(model)
         if not isinstance(parts, str):
             if parts.kind != "llava":
+                if parts.kind == "anyres":
+                    return ("ToMe merges inside the tower, and an AnyRes model (LLaVA-NeXT / OneVision) unpads and "
+                            "resamples its crops after it; supported: LLaVA-1.5-style models and bare ViTs (e.g. the "
+                            "SigLIP tower on its own)")
                 return "ToMe needs a ViT tower with a fixed token grid (LLaVA-style); Qwen2-VL's windowed tower is not"
             index = _cls_layer(parts)
             if isinstance(index, str):
