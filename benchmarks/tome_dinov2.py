@@ -23,8 +23,6 @@ import json
 import logging
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -51,57 +49,6 @@ def load_photos() -> dict:
     return photos
 
 
-def pooled(model, pixels: torch.Tensor, method=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """[CLS] feature [B, D] and size-weighted mean patch feature [B, D] (with ``method`` applied if given)."""
-    def run():
-        out = model(pixel_values=pixels)
-        hidden = out.last_hidden_state
-        if method is not None and method.last_source is not None:
-            sizes = method.last_source.sources().float()  # [B, K] original tokens per output token
-        else:
-            sizes = torch.ones(hidden.shape[:2])
-        patch = (hidden[:, 1:] * sizes[:, 1:, None]).sum(1) / sizes[:, 1:].sum(1, keepdim=True)
-        return out.pooler_output, patch
-
-    with torch.no_grad():
-        if method is None:
-            cls, patch = run()
-            return cls, patch, {}
-        with method.apply(model):
-            cls, patch = run()
-        return cls, patch, dict(method.telemetry)
-
-
-def throughput(model, pixels: torch.Tensor, methods: dict, repeats: int) -> dict:
-    """Images/s of one forward on ``pixels`` per method (``None`` = unmerged), timed in interleaved rounds.
-
-    Every method gets one warm-up forward; then ``repeats`` rounds each time one forward of every method in turn, so
-    that a neighbour's load drifts over all of them alike. Returns, per label, the timings (s), their median and
-    images/s.
-    """
-    def forward(method):
-        with torch.no_grad():
-            if method is None:
-                model(pixel_values=pixels)
-            else:
-                with method.apply(model):
-                    model(pixel_values=pixels)
-
-    for method in methods.values():
-        forward(method)  # warm-up
-    times: dict = {label: [] for label in methods}
-    for _ in range(repeats):
-        for label, method in methods.items():
-            start = time.perf_counter()
-            forward(method)
-            times[label].append(time.perf_counter() - start)
-    out = {}
-    for label, values in times.items():
-        median = statistics.median(values)
-        out[label] = {"times_s": values, "median_s": median, "images_per_s": pixels.shape[0] / median}
-    return out
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=["tome:r=8", "tome:r=12", "tome:r=16"],
@@ -114,6 +61,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import mmaccel
+    from mmaccel.eval.tome_sweep import image_throughput as throughput
+    from mmaccel.eval.tome_sweep import pooled_features as pooled
     from mmaccel.vision_tokens import build_method
 
     torch.set_num_threads(args.threads)

