@@ -694,7 +694,7 @@ def driver_main(args) -> dict:
     import torch
 
     import mmaccel.eval.memory
-    from mmaccel.eval.generation import _generation_kwargs, resolve_methods
+    from mmaccel.eval.generation import generation_kwargs, resolve_methods
     from mmaccel.models import load, resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -712,7 +712,7 @@ def driver_main(args) -> dict:
         "model": model_path, "dtype": args.dtype, "threads": args.threads, "attn_implementation": "sdpa",
         "max_new_tokens": args.max_new_tokens, "ratios": list(args.ratios), "modes": list(args.kvpress_modes),
         "presses": list(args.kvpress_presses), "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
-        "gen_kwargs": _generation_kwargs(model, tokenizer), **built,
+        "gen_kwargs": generation_kwargs(model, tokenizer), **built,
     }
     job_path = out / "cases.json"
     job_path.write_text(json.dumps(job), encoding="utf-8")

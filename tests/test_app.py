@@ -1,6 +1,6 @@
-"""The Gradio workbench (apps/workbench.py) through gradio_client: every tab's endpoint on micro-lm (the Image & video
-tab on a tiny random Dinov2 saved to a temp folder), the generated forms, and errors that stay in their column while
-the app keeps serving."""
+"""The Gradio workbench (apps/) through gradio_client: every tab's endpoint on micro-lm (the Image & video tab on a tiny
+random Dinov2, the Vision sweep tab on a tiny random LLaVA, both saved to a temp folder), the generated forms, token
+streaming, and errors that stay in their column while the app keeps serving."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:  # `pytest` without `python -m` does not put the r
     sys.path.insert(0, str(ROOT))
 
 from apps import forms
+from apps.tabs import TABS
 from apps.workbench import build_app
 from mmaccel.longctx import METHODS as KV_METHODS
 from mmaccel.longctx import build_method
@@ -56,20 +57,59 @@ def save_tiny_vision_encoder(path: Path, image_size: int = 56, patch_size: int =
     return str(path)
 
 
+def save_tiny_vlm(path: Path) -> str:
+    """A tiny random LLaVA composed by smol-llava's own build (:func:`mmaccel.models.smol_llava.build_llava`) from a
+    tiny Dinov2 tower (:func:`save_tiny_vision_encoder`; 56 px at patch 7: 8 x 8 = 64 visual tokens) and a tiny random
+    Llama (4 layers, hidden 32) with a word-level ChatML tokenizer over the scene-QA words, saved (model and processor)
+    as a local checkpoint folder that ``mmaccel.load`` reads. Its answers are random: the tests check the sweep's
+    mechanics (token counts, speed and FLOPs ratios, agreement), not its accuracy."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from mmaccel.data.scenes import ANSWERS, make_scene_qa
+    from mmaccel.models import smol_llava
+    from mmaccel.models.train_smol_llava import INSTRUCTION
+
+    tower = save_tiny_vision_encoder(path / "vision")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    split = pre_tokenizers.Whitespace()
+    texts = [q.question for q in make_scene_qa(40, seed=0)] + [INSTRUCTION, "user assistant", *ANSWERS]
+    words = sorted({w for t in texts for w, _ in split.pre_tokenize_str(t)})
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token=specials[0]))
+    word_level.pre_tokenizer = split
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token=specials[0], bos_token=specials[1],
+                                        eos_token=specials[2], pad_token=specials[2])
+    tokenizer.save_pretrained(path / "language")
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=2))
+    lm.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    lm.save_pretrained(path / "language")
+    model, processor = smol_llava.build_llava(tower, path / "language", recipe=smol_llava.BuildRecipe(image_size=56))
+    model.save_pretrained(path / "vlm")
+    processor.save_pretrained(path / "vlm")
+    return str(path / "vlm")
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    """The workbench on micro-lm (and a tiny Dinov2 in the Image & video tab) launched on a free local port:
-    ``.demo``, ``.client`` (gradio_client), ``.tmp``, ``.vision_model`` (the tiny Dinov2's folder)."""
+    """The workbench on micro-lm (a tiny Dinov2 in the Image & video tab, a tiny LLaVA in the Vision sweep tab)
+    launched on a free local port: ``.demo``, ``.client`` (gradio_client), ``.tmp``, ``.vision_model`` (the tiny
+    Dinov2's folder), ``.vlm`` (the tiny LLaVA's folder)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("app")
     vision_model = save_tiny_vision_encoder(tmp / "tiny-dinov2")
-    demo = build_app("micro-lm", vision_model=vision_model, device="cpu", niah_length=384,
+    vlm = save_tiny_vlm(tmp / "tiny-llava")
+    demo = build_app("micro-lm", vision_model=vision_model, vlm_model=vlm, device="cpu", niah_length=384,
                      haystack=small_haystack(tmp / "hay.txt"), work_dir=tmp / "work", max_upload_mb=0.05)
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, demo=demo,
-                                    vision_model=vision_model)
+                                    vision_model=vision_model, vlm=vlm)
     finally:
         demo.close()
         mp.undo()
@@ -261,10 +301,19 @@ def test_out_of_memory_is_an_error_in_its_column(app, monkeypatch):
     assert_numeric(ok)
 
 
+ENDPOINTS = ("longctx", "niah_document", "generation", "niah_eval", "vision_sweep", "spec_bench", "kernels", "vision")
+
+
 def test_measured_endpoints_share_one_queue_slot(app):
     fns = {fn.api_name: fn for fn in app.demo.fns.values() if fn.api_name}
-    for name in ("longctx", "niah_document", "generation", "niah_eval", "kernels", "vision"):
+    for name in ENDPOINTS:
         assert fns[name].concurrency_limit == 1 and fns[name].concurrency_id == "measured", name
+    # every endpoint is measured, and every tab is on the page
+    public = {name for name, fn in fns.items() if getattr(fn, "api_visibility", "public") != "private"}
+    assert public <= set(ENDPOINTS), public - set(ENDPOINTS)
+    config = json.dumps(app.demo.get_config_file())
+    for cls in TABS:
+        assert f'"tab-{cls.key}"' in config, cls.title
 
 
 # --------------------------------------------------------------------------------------------------- image & video
@@ -375,3 +424,154 @@ def test_vision_errors_stay_in_the_column_then_a_good_request(app):
         assert "mm-error" not in html_out
         assert all(isinstance(metrics[key], (int, float)) for key in VISION_KEYS)
     assert cols[1][1]["visual tokens kept"] == 65 - 4 * 4 and overlays[1] is not None
+
+
+# ------------------------------------------------------------------------------------------------------ streaming
+def without_note(html: str) -> str:
+    """The text of a column's output without the streaming note under it."""
+    return strip_tags(html.split('<div class="mm-note"')[0])
+
+
+def test_generation_streams_an_untimed_pass_then_shows_the_measured_run(app):
+    prompt = "The secret number of the cat is 12345. The secret number of the dog is"
+    job = app.client.submit("micro-lm", prompt, 24, 4, 1, 2, "autoregressive", "draft:model=micro-draft", "", "",
+                            api_name="/generation")
+    final = job.result()
+    streamed = [columns(out)[1] for out in job.outputs() if "untimed pass" in columns(out)[1][0]]
+    assert streamed, "column 2 never showed streamed text"
+    for html_out, metrics in streamed:
+        assert metrics == {"-": None}  # no number comes from the untimed pass
+    (base_html, base), (spec_html, spec) = columns(final)[:2]
+    assert "untimed pass" not in spec_html and "mm-accepted" in spec_html
+    assert without_note(streamed[-1][0]) == strip_tags(spec_html) == strip_tags(base_html)  # greedy: the same text
+    assert_numeric(base)
+    assert_numeric(spec)
+    assert "untimed pass" in final[0] and "identical" in final[0]
+
+
+def test_token_stream_yields_growing_text_and_stops_its_thread_when_closed():
+    import threading
+
+    import mmaccel
+    from apps.streaming import TokenStream
+    from mmaccel.eval.generation import resolve_method
+
+    model, tok = mmaccel.load("micro-lm", device="cpu")
+    ids = tok.encode("The secret number of the cat is 12345. The secret number of the cat is")
+    method, _ = resolve_method("prompt_lookup:k=4")
+    states = list(TokenStream(model, tok, ids, method, max_new_tokens=12, interval=0.0))
+    lengths = [len(s.ids) for s in states]
+    assert lengths == sorted(lengths) and states[-1].done and states[-1].error is None and lengths[-1] == 12
+    assert sum(states[-1].accepted) > 0  # prompt lookup copies the repeated sentence
+    stream = iter(TokenStream(model, tok, ids, method, max_new_tokens=12, interval=0.0))
+    next(stream)
+    stream.close()  # what an abandoned request does: the pass is cancelled and its thread joined
+    assert not [t for t in threading.enumerate() if t.name == "mmaccel-token-stream"]
+
+
+# ----------------------------------------------------------------------------------------------------- spec bench
+def spec_bench(client, *specs, model="micro-lm", sets=("free",), prompts=1, max_new=12):
+    """Call ``/spec_bench`` with ``len(specs)`` columns: ``(status, [(html, metrics)] * 4, table, plot)``."""
+    padded = [*specs, "", "", ""][:4]
+    result = client.predict(model, list(sets), prompts, max_new, 1, len(specs), *padded, api_name="/spec_bench")
+    return result[0], columns(result), result[9], result[10]
+
+
+def test_spec_bench_columns_table_and_ratio_plot(app):
+    status, cols, table, plot = spec_bench(app.client, "autoregressive", "draft:model=micro-draft", "prompt_lookup")
+    assert "autoregressive baseline" in status
+    (base_html, base), (draft_html, draft), (_, pld) = cols[:3]
+    assert base["speedup vs autoregressive (free)"] == 1.0 and base["tokens per target forward (free)"] == 1.0
+    for metrics in (draft, pld):
+        for key in ("speedup vs autoregressive (free)", "tokens/s (free)", "tokens per target forward (free)",
+                    "mean accepted length (free)", "acceptance rate (free)"):
+            assert isinstance(metrics[key], (int, float)) and metrics[key] >= 0, (key, metrics)
+        assert metrics["identical to greedy (free)"] == 1.0  # lossless
+    assert draft["tokens per target forward (free)"] > 1  # micro-draft's drafts are accepted
+    assert "mm-accepted" in draft_html and "mm-accepted" not in base_html
+    assert strip_tags(draft_html.split("first prompt:")[1]) == strip_tags(base_html.split("first prompt:")[1])
+    assert "| full (autoregressive) | (baseline) |" in table and "| draft:model=micro-draft | yes 1/1 |" in table
+    assert plot is not None and plot.get("type") == "matplotlib"
+
+
+# --------------------------------------------------------------------------------------------------- vision sweep
+def vision_sweep(client, *specs, model, budgets="0.5", questions=1, seed=0):
+    """Call ``/vision_sweep`` with ``len(specs)`` columns: ``(status, [(html, metrics)] * 4, table, plot)``."""
+    padded = [*specs, "", "", ""][:4]
+    result = client.predict(model, budgets, questions, seed, len(specs), *padded, api_name="/vision_sweep")
+    return result[0], columns(result), result[9], result[10]
+
+
+def test_vision_sweep_accuracy_and_speed_vs_budget(app):
+    status, cols, table, plot = vision_sweep(app.client, "none", "fastv", model=app.vlm, budgets="0.5 0.25")
+    assert "1 held-out scene question(s)" in status
+    (base_html, base), (fastv_html, fastv) = cols[:2]
+    assert "mm-error" not in base_html + fastv_html
+    assert base["visual tokens"] == 64 and base["runs ok"] == 1 and 0 <= base["accuracy"] <= 1
+    assert fastv["visual tokens kept @ 0.5"] == 32 and fastv["visual tokens kept @ 0.25"] == 16
+    for b in ("0.5", "0.25"):
+        assert 0 <= fastv[f"accuracy @ {b}"] <= 1 and fastv[f"prefill speedup @ {b}"] > 0
+        assert 0 < fastv[f"FLOPs ratio @ {b}"] < 1  # fewer tokens after FastV's layer
+        assert 0 <= fastv[f"same as all tokens @ {b}"] <= 1
+    assert fastv["FLOPs ratio @ 0.25"] < fastv["FLOPs ratio @ 0.5"]
+    assert "| baseline | 1 |" in table and "| pooling | 0.5 |" in table and "| fastv | 0.25 |" in table
+    assert Path(plot).suffix == ".png" and Path(plot).stat().st_size > 0
+
+
+# --------------------------------------------------------------------------------------- errors in every other tab
+def test_errors_in_the_other_tabs_stay_in_their_columns(app):
+    client, vlm = app.client, app.vlm
+
+    def errors(cols, text, k=2):
+        return all("mm-error" in h and text in h for h, _ in cols[:k])
+
+    # an unknown model: every column says so, in every tab that loads one
+    assert errors(columns(client.predict("no-such-model", "256", "0.5", 1, 6, 2, "full", "streaming", "", "",
+                                         api_name="/niah_eval")), "unknown model")
+    assert errors(spec_bench(client, "autoregressive", "prompt_lookup", model="no-such-model")[1], "unknown model")
+    assert errors(vision_sweep(client, "none", "fastv", model="no-such-model")[1], "unknown model")
+    # bad settings
+    assert errors(columns(client.predict("micro-lm", "abc", "0.5", 1, 6, 2, "full", "streaming", "", "",
+                                         api_name="/niah_eval")), "bad sweep")
+    assert errors(vision_sweep(client, "none", "fastv", model=vlm, budgets="2")[1], "(0, 1]")
+    assert errors(vision_sweep(client, "none", "fastv", model="micro-lm")[1], "vision-language model")
+    assert errors(spec_bench(client, "autoregressive", "prompt_lookup", sets=())[1], "prompt set")
+    status, table, plot = client.predict("-5", "256", "32", ["prefill"], 1, api_name="/kernels")
+    assert status.startswith("**error**") and "positive integers" in status and table["data"] == [] and plot is None
+    # a bad column next to good ones: only that column fails
+    result = generation(client, "autoregressive", "jacobi:bogus=1", max_new=6)
+    (ok_html, ok), (bad_html, _) = columns(result)[:2]
+    assert "mm-error" not in ok_html and "mm-error" in bad_html and "bogus" in bad_html
+    assert_numeric(ok)
+    _, cols, table, _ = spec_bench(client, "prompt_lookup:bogus=1", "jacobi", max_new=8)
+    assert "mm-error" in cols[0][0] and "bogus" in cols[0][0] and "mm-error" not in cols[1][0]
+    assert isinstance(cols[1][1]["speedup vs autoregressive (free)"], float) and "jacobi" in table
+    _, cols, table, plot = vision_sweep(client, "fastv:keep_ratio=0.5", "fastv", model=vlm)
+    assert "mm-error" in cols[0][0] and "sets keep_ratio" in cols[0][0]
+    assert cols[1][1]["visual tokens kept @ 0.5"] == 32 and plot
+    # and the next requests still succeed
+    status, table, plot = client.predict("128", "256", "32", ["prefill"], 1, api_name="/kernels")
+    assert "speedup" in status and table["data"] and plot is not None
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def test_mmaccel_app_builds_the_workbench_and_launches_it(monkeypatch):
+    """``mmaccel app ARGS`` runs ``apps.workbench.main(ARGS)``: the flags reach ``build_app`` and ``launch``."""
+    import torch
+
+    from apps import workbench
+    from mmaccel.cli import main
+
+    launched = {}
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kw: launched.update(kw, blocks=self))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["app", "--model", "micro-lm", "--vlm-model", "/no/such/vlm", "--port", "7999",
+                     "--max-upload-mb", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert launched["server_port"] == 7999 and launched["server_name"] == "127.0.0.1"
+    assert launched["max_file_size"] == 2 * 2**20
+    config = json.dumps(launched["blocks"].get_config_file())
+    assert "/no/such/vlm" in config and all(f'"tab-{cls.key}"' in config for cls in TABS)
+    assert workbench.build_parser().parse_args([]).vlm_model == "smol-llava"

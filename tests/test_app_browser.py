@@ -1,8 +1,9 @@
 """The workbench in a real browser: Debian's chromium driven by Playwright (never `playwright install`).
 
-Loads the page, runs a two-column comparison in the Long context, Generation, Evaluations, Kernels and Image & video
-tabs (the last on a tiny random Dinov2 at 224 px, 16 x 16 patches), checks that outputs, metrics tables, overlays and
-plots appear, and saves screenshots under runs/screenshots/.
+Loads the page, runs a two-column comparison in every tab -- Long context, Generation, Evaluations, Vision sweep (on a
+tiny random LLaVA), Spec bench, Kernels and Image & video (on a tiny random Dinov2 at 224 px, 16 x 16 patches) --,
+checks that outputs, metrics tables, accepted-token colouring, overlays, tables and plots appear, and saves screenshots
+under runs/screenshots/.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from test_app import save_tiny_vision_encoder
+from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
 from apps.workbench import build_app
 
@@ -42,15 +43,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    """A chromium page on the workbench (micro-lm, a small NIAH haystack, a tiny Dinov2 in the Image & video tab)."""
+    """A chromium page on the workbench (micro-lm, a small NIAH haystack, a tiny Dinov2 in the Image & video tab, a
+    tiny LLaVA in the Vision sweep tab)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("browser")
     hay = tmp / "hay.txt"
     hay.write_text(re.sub(r"\d", "", " ".join(" ".join(m.__doc__ for m in (argparse, inspect, re)).split())))
     vision_model = save_tiny_vision_encoder(tmp / "tiny-dinov2", image_size=224, patch_size=14)
-    demo = build_app("micro-lm", vision_model=vision_model, device="cpu", niah_length=384, haystack=hay,
-                     work_dir=tmp / "work")
+    demo = build_app("micro-lm", vision_model=vision_model, vlm_model=save_tiny_vlm(tmp / "tiny-llava"), device="cpu",
+                     niah_length=384, haystack=hay, work_dir=tmp / "work")
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
@@ -107,6 +109,7 @@ def test_generation_two_columns_coloured(page):
     for i in range(2):
         expect_column(page, "gen", i)
     expect(page.locator("#gen-col1-output .mm-accepted").first).to_be_visible()  # prompt lookup's accepted drafts
+    expect(page.locator("#gen-col1-output")).not_to_contain_text("untimed pass")  # the measured run replaced the stream
     expect(page.locator("#gen-plot img, #gen-plot svg, #gen-plot canvas").first).to_be_visible()
     page.screenshot(path=str(SHOTS / "generation.png"), full_page=True)
 
@@ -123,6 +126,42 @@ def test_evaluations_two_columns(page):
         expect(page.locator(f"#ev-col{i}-heatmap img")).to_be_visible()
         expect(page.locator(f"#ev-col{i}-metrics")).to_contain_text("accuracy (strict)")
     page.screenshot(path=str(SHOTS / "evaluations.png"), full_page=True)
+
+
+def test_vision_sweep_two_columns(page):
+    page.get_by_role("tab", name="Vision sweep").click()
+    fill(page, "vs-budgets", "0.5 0.25")
+    fill(page, "vs-questions", "1")
+    page.locator("#vs-run").click()
+    # 10 measured runs and 5 warm-ups of a tiny LLaVA: seconds on a quiet machine, minutes on a loaded one
+    expect(page.locator("#vs-status")).to_contain_text("held-out scene question", timeout=4 * TIMEOUT_MS)
+    for i in range(2):
+        expect(page.locator(f"#vs-col{i}-output .mm-output")).to_be_visible()
+        expect(page.locator(f"#vs-col{i}-metrics")).to_contain_text("accuracy")
+    expect(page.locator("#vs-col1-metrics")).to_contain_text("FLOPs ratio @ 0.25")
+    expect(page.locator("#vs-table")).to_contain_text("pooling")
+    expect_image_drawn(page, "vs-plot")
+    page.screenshot(path=str(SHOTS / "vision_sweep.png"), full_page=True)
+
+
+def test_spec_bench_two_columns(page):
+    page.get_by_role("tab", name="Spec bench").click()
+    page.locator("#sb-sets").get_by_label("free").check()  # free prompts: the copy set first parses the stdlib
+    page.locator("#sb-sets").get_by_label("copy").uncheck()
+    fill(page, "sb-max-new", "24")
+    fill(page, "sb-col1-spec", "draft:model=micro-draft")
+    page.locator("#sb-run").click()
+    expect(page.locator("#sb-status")).to_contain_text("Spec-bench:")
+    for i in range(2):
+        expect(page.locator(f"#sb-col{i}-output .mm-output").first).to_be_visible()
+        table = page.locator(f"#sb-col{i}-metrics")
+        expect(table).to_contain_text("speedup vs autoregressive (free)")
+        assert re.search(r"\d+\.\d+", table.inner_text())
+    expect(page.locator("#sb-col1-output .mm-accepted").first).to_be_visible()  # micro-draft's accepted drafts
+    expect(page.locator("#sb-table")).to_contain_text("identical to greedy")
+    expect(page.locator("#sb-plot img, #sb-plot svg, #sb-plot canvas").first).to_be_visible()
+    page.locator("#sb-plot").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "specbench.png"), full_page=True)
 
 
 def test_kernels_two_columns(page):

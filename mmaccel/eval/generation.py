@@ -511,9 +511,16 @@ class _StepProbe(LogitsProcessor):
 
 
 # ------------------------------------------------------------------------------------------------------- running
-def _generation_kwargs(model, tokenizer, temperature: float = 0.0) -> dict:
-    """Greedy decoding (``temperature == 0``) or plain sampling at ``temperature`` that stops at EOS; EOS/pad from
-    the tokenizer when the model's config has none."""
+def generation_kwargs(model, tokenizer, temperature: float = 0.0) -> dict:
+    """The ``generate`` keyword arguments every measured run uses: greedy decoding (``temperature == 0``) or plain
+    sampling at ``temperature`` (no top-k / top-p), stopping at EOS; EOS and pad ids come from the tokenizer when
+    the model's generation config has none.
+
+    Returns
+    -------
+    dict
+        ``do_sample``, ``num_beams``, ``temperature``, ``top_p``, ``top_k``, ``eos_token_id``, ``pad_token_id``.
+    """
     gen_cfg = getattr(model, "generation_config", None)
     eos = getattr(gen_cfg, "eos_token_id", None)
     if eos is None and tokenizer is not None:
@@ -822,7 +829,7 @@ def generate_measured(
     prepare = getattr(method_obj, "prepare", None)
     if callable(prepare) and hasattr(method_obj, "timed_generate"):  # speculative methods: load a draft once, check it against the target (ValueError)
         prepare(model, tokenizer)
-    gen_kwargs = _generation_kwargs(model, tokenizer, temperature)
+    gen_kwargs = generation_kwargs(model, tokenizer, temperature)
     runs = []
     with torch.inference_mode():
         for i in range(warmup + repeats):

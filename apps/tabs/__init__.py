@@ -1,0 +1,28 @@
+"""The workbench's tabs, one module each; :data:`TABS` lists them in display order.
+
+Each tab is a :class:`apps.common.Tab`: its endpoint handlers are methods (callable directly from tests and scripts),
+and ``build(model)`` lays it out inside the current ``gr.Tab`` and wires its endpoints.
+
+| tab | module | endpoints |
+|---|---|---|
+| Long context | :mod:`apps.tabs.longctx` | ``/longctx``, ``/niah_document`` |
+| Generation | :mod:`apps.tabs.generation` | ``/generation`` |
+| Evaluations | :mod:`apps.tabs.evaluations` | ``/niah_eval`` |
+| Vision sweep | :mod:`apps.tabs.vision_sweep` | ``/vision_sweep`` |
+| Spec bench | :mod:`apps.tabs.specbench` | ``/spec_bench`` |
+| Kernels | :mod:`apps.tabs.kernels` | ``/kernels`` |
+| Image & video | :mod:`apps.tabs.vision` | ``/vision`` |
+"""
+from .evaluations import EvaluationsTab
+from .generation import GenerationTab
+from .kernels import KernelsTab
+from .longctx import LongContextTab
+from .specbench import SpecBenchTab
+from .vision import VisionTab
+from .vision_sweep import VisionSweepTab
+
+TABS = (LongContextTab, GenerationTab, EvaluationsTab, VisionSweepTab, SpecBenchTab, KernelsTab, VisionTab)
+"""Tab classes in display order."""
+
+__all__ = ["TABS", "EvaluationsTab", "GenerationTab", "KernelsTab", "LongContextTab", "SpecBenchTab", "VisionSweepTab",
+           "VisionTab"]
