@@ -224,10 +224,52 @@ def test_memory_budget_estimate_solves_the_fitted_line():
     assert memory["largest_frames_within_budget"] == 8 and memory["estimated_max_frames"] == 15
 
 
-def test_video_niah_refuses_chunked_prefill_and_bad_settings(vlm):
+def _video_niah_seeing_the_lm(model, processor, method):
+    """``video_niah`` of one method on 2- and 4-frame clips, and per forward of the language model's first layer
+    ``(query tokens, key tokens)``: its attention scores are their product, its activations scale with the first."""
+    seen = []
+
+    def first_layer(module, args, kwargs):
+        q = int((args[0] if args else kwargs["hidden_states"]).shape[1])
+        seen.append((q, kwargs["past_key_values"].get_seq_length(0) + q))
+
+    handle = model.model.language_model.layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
+    try:
+        result = video_niah(model, processor, [method], [2, 4], [0.5], size=56, max_new_tokens=3, warmup=0,
+                            progress=False)
+    finally:
+        handle.remove()
+    return {r["extra"]["frames"]: r for r in result.records}, seen
+
+
+def test_video_niah_chunked_prefill_bounds_the_lm_forward_and_keeps_the_answers(vlm):
+    """pooling + chunked prefill: the same answers and K/V as pooling alone, but no language-model forward takes more
+    than the chunk (pooling alone prefills the whole reduced clip at once); with a streaming window inside, the K/V
+    held after prefill is the same for 2 and 4 frames."""
     model, processor = vlm
-    with pytest.raises(ValueError, match="chunked prefill cannot split a prompt with images"):
-        video_niah(model, processor, ["pooling:keep_ratio=0.25+chunked:chunk=64"], [2], [0.5], progress=False)
+    plain, plain_seen = _video_niah_seeing_the_lm(model, processor, "pooling:keep_ratio=0.25")
+    chunked, chunked_seen = _video_niah_seeing_the_lm(model, processor, "pooling:keep_ratio=0.25+chunked:chunk=8")
+    window, window_seen = _video_niah_seeing_the_lm(
+        model, processor, "pooling:keep_ratio=0.25+chunked:chunk=8:method=streaming,window=8,sink=2")
+    for frames in (2, 4):
+        a, b, c = plain[frames], chunked[frames], window[frames]
+        assert a["status"] == b["status"] == c["status"] == "ok"
+        assert b["output_ids"] == a["output_ids"] and b["visual_tokens_kept"] == a["visual_tokens_kept"] == 9 * frames
+        assert b["kv_cache_bytes_prefill"] == a["kv_cache_bytes_prefill"]
+        assert b["telemetry"]["method"] == "chunked" and b["telemetry"]["chunk"] == 8
+    reduced = plain[4]["prompt_tokens"] - 36 * 4 + 9 * 4  # the 4-frame prompt after pooling
+    assert max(q for q, _ in plain_seen) == reduced
+    assert max(q for q, _ in chunked_seen) == max(q for q, _ in window_seen) == 8
+    # attention scores per forward (query x key tokens): the chunk bounds them at 8 x the prompt, not prompt^2
+    assert max(q * k for q, k in plain_seen) == reduced * reduced
+    assert max(q * k for q, k in chunked_seen) <= 8 * reduced < reduced * reduced
+    assert window[2]["kv_cache_bytes_prefill"] == window[4]["kv_cache_bytes_prefill"] < plain[4]["kv_cache_bytes_prefill"]
+
+
+def test_video_niah_refuses_bad_settings(vlm):
+    model, processor = vlm
+    with pytest.raises(ValueError, match="prunes visual tokens inside the language model's prefill forward"):
+        video_niah(model, processor, ["fastv:layer=1+chunked:chunk=64"], [2], [0.5], progress=False)
     with pytest.raises(ValueError, match=r"depths must be fractions in \[0, 1\]"):
         video_niah(model, processor, ["none"], [2], [1.5], progress=False)
     with pytest.raises(ValueError, match="FastV does not support"):

@@ -19,15 +19,18 @@ A method is ``VISION[+KV]`` (:func:`~mmaccel.eval.visual.parse_visual_config`), 
 
 - the visual-token method reduces every frame's tokens between projector and LLM (pooling, VisionZip, PruMerge; ToMe in
   the tower; FastV inside the LLM). Kept tokens keep their positions, so a long clip's positions can pass the LM's
-  ``max_position_embeddings`` (a warning says so). Temporal ToMe merges across the frames of one *video* input
-  (Qwen2-VL); LLaVA's frames are separate images, on which it keeps every token;
+  ``max_position_embeddings`` (a warning says so). Temporal ToMe reads the clip's frames (consecutive images of one
+  size) as one clip and merges similar tokens across adjacent frames
+  (:class:`~mmaccel.vision_tokens.TemporalToMe`);
 - the KV-cache method (``kv=`` slot) bounds what the cache holds after prefill and while decoding (StreamingLLM's
-  window, SnapKV's budget, ...).
-
-The reduced prompt still goes through the LM in one prefill forward: ``chunked`` prefill
-(:class:`mmaccel.longctx.Chunked`) splits the top-level forward's ``input_ids``, which cannot be cut between the
-images of a VLM prompt (their features would not follow), so it is refused here with a clear error (see
-:func:`check_video_config`).
+  window, SnapKV's budget, ...);
+- ``chunked`` prefill (:class:`mmaccel.longctx.Chunked`, e.g. ``pooling:keep_ratio=0.0625+chunked:chunk=1024`` or
+  ``...+chunked:chunk=1024:method=streaming,window=4096``) runs the vision tower, the projector and the visual-token
+  method once on the whole clip and splits only the language model's prefill, on the merged and reduced
+  ``inputs_embeds``: the LM's activations are bounded by the chunk, and with an evicting inner method its K/V too
+  (the tower's activations and the merged embeddings still grow with the clip).
+  In-LLM pruning (FastV, Progressive, AIM's pruning layers) needs the whole prompt in one forward and is refused with
+  ``chunked`` (:func:`check_video_config`).
 
 Output folder
 -------------
@@ -82,21 +85,24 @@ def check_video_config(config: VisualConfig, model) -> None:
     Raises
     ------
     ValueError
-        ``chunked`` prefill (it splits the prompt's ``input_ids`` at the model's entry, where the images' features
-        cannot follow the split).
+        ``chunked`` prefill with a visual-token method that prunes inside the language model (FastV, Progressive,
+        AIM with pruning layers): it ranks the prompt's tokens inside one prefill forward, which chunked prefill
+        splits, so it would prune nothing.
     UnsupportedModelError
         (a ``ValueError``) a visual-token method the model does not support.
     """
     from ..longctx import build_method as build_kv
     from ..vision_tokens import build_method as build_vision
 
-    if config.kv is not None and build_kv(config.kv).name == "chunked":
-        raise ValueError(f"{config.label!r}: chunked prefill cannot split a prompt with images yet (it cuts the "
-                         "model's input_ids, and the frames' features cannot follow the cut); bound memory with "
-                         "per-frame pooling and a KV method that evicts, e.g. "
-                         "'pooling:keep_ratio=0.0625+streaming:window=1024'")
-    if config.vision is not None:
-        build_vision(config.vision).check(model)
+    if config.vision is None:
+        return
+    vision = build_vision(config.vision)
+    vision.check(model)
+    in_llm = vision.stage == "in-llm" or getattr(vision, "pruner", None) is not None
+    if in_llm and config.kv is not None and build_kv(config.kv).name == "chunked":
+        raise ValueError(f"{config.label!r}: {vision.name} prunes visual tokens inside the language model's prefill "
+                         "forward, and chunked prefill splits that forward, so nothing would be pruned; use a "
+                         "pre-LLM method with chunked prefill, e.g. 'pooling:keep_ratio=0.0625+chunked:chunk=1024'")
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from .base import ImageGrid, ImageReducer, kept_count
 from .plan import TokenPlan
 
-__all__ = ["TemporalToMe", "temporal_merge_plan"]
+__all__ = ["TemporalToMe", "frame_grids", "temporal_merge_plan"]
 
 
 def temporal_merge_plan(features: torch.Tensor, grid: ImageGrid, keep: int) -> TokenPlan:
@@ -50,6 +50,62 @@ def temporal_merge_plan(features: torch.Tensor, grid: ImageGrid, keep: int) -> T
     return TokenPlan.from_representatives(rep.reshape(1, n))
 
 
+def _is_frame(grid: ImageGrid) -> bool:
+    """A grid that can be one frame of a clip: a plain raster, one frame, nothing around it, a whole image."""
+    return grid.t == 1 and grid.prefix == 0 and grid.suffix == 0 and not grid.newline and grid.part == 0
+
+
+def frame_grids(grids: list[ImageGrid], row_tokens: list[int]) -> list[ImageGrid]:
+    """Read consecutive images of the same size in one prompt as the frames of one clip.
+
+    Within each batch row, a run of consecutive single-frame grids with the same ``h x w`` (a plain raster: no
+    prefix, suffix or newline tokens, and not the base image of an AnyRes image, whose crops follow as ``part`` 1)
+    becomes one ``t x h x w`` grid, ``t`` the length of the run. Text between the images does not break a run: the
+    grids name the image tokens in order, wherever they are. Other grids, and grids that are already clips
+    (``t > 1``: Qwen2-VL or OneVision videos), stay as they are.
+
+    Parameters
+    ----------
+    grids : list of ImageGrid
+        Every grid of a prefill in order of appearance, row by row (:meth:`VLMParts.grids`).
+    row_tokens : list of int
+        Image tokens of each batch row (their grids' ``tokens`` add up to it).
+
+    Returns
+    -------
+    list of ImageGrid
+        The same tokens, row by row, with every run of frames as one grid.
+
+    Raises
+    ------
+    ValueError
+        If the grids do not add up to the rows' token counts.
+    """
+    out: list[ImageGrid] = []
+    k = 0
+    for count in row_tokens:
+        row, total = [], 0
+        while total < count and k < len(grids):
+            row.append(grids[k])
+            total += grids[k].tokens
+            k += 1
+        if total != count:
+            raise ValueError(f"the image grids give {total} tokens for a row with {count} image tokens")
+        i = 0
+        while i < len(row):
+            j = i
+            frame = _is_frame(row[i]) and (i + 1 == len(row) or row[i + 1].part == 0)
+            while frame and j + 1 < len(row) and _is_frame(row[j + 1]) and \
+                    (row[j + 1].h, row[j + 1].w) == (row[i].h, row[i].w) and \
+                    (j + 2 == len(row) or row[j + 2].part == 0):
+                j += 1
+            out.append(row[i] if j == i else ImageGrid(j - i + 1, row[i].h, row[i].w))
+            i = j + 1
+    if k != len(grids):
+        raise ValueError(f"{len(grids) - k} image grids are left over after the rows' image tokens")
+    return out
+
+
 @dataclass
 class TemporalToMe(ImageReducer):
     """Temporal token merging for video, between the projector and the LLM: the Temporal Dimension Token Merging
@@ -59,8 +115,15 @@ class TemporalToMe(ImageReducer):
 
     Each frame's tokens are compared with the same spatial position in the previous frame (cosine of the
     projected tokens); the most similar pairs over the whole clip are merged until ``keep_ratio`` of the tokens are
-    left, so static regions collapse and moving ones stay. Works on Qwen2-VL videos (``pixel_values_videos``; the
-    merged token keeps its earliest frame's 3-D M-RoPE position). Single images (t = 1) are left unchanged.
+    left, so static regions collapse and moving ones stay. A merged token is the mean of its frames' tokens and
+    keeps the position of the earliest (Qwen2-VL: its 3-D M-RoPE position).
+
+    What a clip is: a video input (Qwen2-VL ``pixel_values_videos``, a OneVision video), or a run of consecutive
+    images of the same size in one prompt (:func:`frame_grids`) -- how a LLaVA-1.5-style model, which has no video
+    input, is fed a video: one ``<image>`` per frame. A single image is left unchanged.
+
+    ``telemetry``: as :class:`~.base.ImageReducer` (``tokens_before`` / ``tokens_after`` per clip), plus
+    ``frames``: the frames of each clip. :meth:`source_map` gives one plan per clip.
 
     Parameters
     ----------
@@ -81,3 +144,12 @@ class TemporalToMe(ImageReducer):
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         spatial = ImageGrid(grid.t, grid.h, grid.w)
         return temporal_merge_plan(features, spatial, kept_count(spatial.tokens, self.keep_ratio))
+
+    def _sequence_plan(self, pending: dict, embeds: torch.Tensor, state) -> TokenPlan:
+        """The base's sequence plan over clips: consecutive same-size images of a row are planned as one clip."""
+        grids = pending["grids"]
+        if pending.get("kind", "image") == "image":
+            grids = frame_grids(grids, pending["image_mask"].sum(dim=1).tolist())
+        plan = super()._sequence_plan({**pending, "grids": grids}, embeds, state)
+        self.telemetry["frames"] = [g.t for g in grids]
+        return plan
