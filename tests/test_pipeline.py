@@ -185,7 +185,7 @@ def test_compare_pieces_runs_each_piece_alone_and_all_together(llava1, tmp_path)
 
 # ------------------------------------------------------------------------------------------------ (c) errors
 @pytest.mark.parametrize("kwargs,match", [
-    ({"vision": "nope"}, r"unknown visual-token method 'nope'; visual-token methods: fastv, pooling"),
+    ({"vision": "nope"}, r"unknown visual-token method 'nope'; visual-token methods: aim, atp, fastv, pooling"),
     ({"kv": "prompt_lookup"}, r"'prompt_lookup' is a speculative method: pass it as speculative='prompt_lookup'"),
     ({"speculative": "snapkv:budget=64"}, r"'snapkv' is a kv method: pass it as kv='snapkv'"),
     ({"vision": "snapkv"}, r"pass it as kv='snapkv'"),
@@ -200,6 +200,10 @@ def test_compare_pieces_runs_each_piece_alone_and_all_together(llava1, tmp_path)
      r"vision='pooling' conflicts with speculative='hf_prompt_lookup'.*absolute sequence lengths"),
     ({"kv": "streaming:window=16", "speculative": "hf_prompt_lookup"},
      r"kv='streaming' conflicts with speculative='hf_prompt_lookup'"),
+    ({"vision": "fastv:keep_ratio=0.5", "kv": "chunked:chunk=8"},
+     r"vision='fastv' conflicts with chunked prefill: fastv prunes visual tokens inside"),
+    ({"vision": "progressive:layers=1,3:keep_ratio=0.25", "kv": "chunked:chunk=8"},
+     r"vision='progressive' conflicts with chunked prefill"),
 ])
 def test_bad_specs_and_conflicts_are_one_clear_error(llava1, kwargs, match):
     model, processor, _ = llava1

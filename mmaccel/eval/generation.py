@@ -448,12 +448,22 @@ def check_composition(model, method, *, kv=None, vision=None) -> None:
         - an in-LLM visual-token method (FastV) with any speculative method: it picks tokens with the attention of
           the prompt's last token at the prefill forward, which the engine verifies later instead;
         - any visual-token method with transformers' peers: their rollback crops to absolute sequence lengths,
-          which a reduced cache no longer has.
+          which a reduced cache no longer has;
+        - a visual-token method that prunes inside the language model (FastV, Progressive, AIM with pruning layers)
+          with chunked prefill (``chunked``, as ``method`` or ``kv``): it ranks the prompt's tokens inside one
+          prefill forward, which chunked prefill splits, so it would prune nothing.
     """
     speculative = hasattr(method, "timed_generate")
     name = getattr(method, "name", type(method).__name__)
     if vision is not None:
         vision.check(model)
+        in_llm = vision.stage == "in-llm" or getattr(vision, "pruner", None) is not None
+        if in_llm and any(getattr(m, "name", None) == "chunked" for m in (method, kv)):
+            raise ValueError(
+                f"vision={vision.name!r} conflicts with chunked prefill: {vision.name} prunes visual tokens inside the "
+                "language model's prefill forward, and chunked prefill splits that forward, so nothing would be "
+                "pruned; use a pre-LLM method with chunked prefill, e.g. 'pooling:keep_ratio=0.0625' with "
+                "'chunked:chunk=1024'")
         if speculative and vision.stage == "in-llm":
             raise ValueError(
                 f"vision={vision.name!r} conflicts with speculative={name!r}: {vision.name} picks visual tokens with the "
@@ -839,7 +849,7 @@ def generate_measured(
                 warm = i < warmup
                 run = _one_run(model, method_obj, warm_ids if warm else ids, max_new_tokens, gen_kwargs,
                                vision=vision_obj, kv=kv_obj, model_inputs=warm_inputs if warm else model_inputs)
-            except Exception as exc:  # noqa: BLE001 - a failed run is data; the sweep goes on
+            except Exception as exc:
                 if raise_errors:
                     raise
                 if device.type == "cuda":

@@ -92,17 +92,19 @@ def check_video_config(config: VisualConfig, model) -> None:
         (a ``ValueError``) a visual-token method the model does not support.
     """
     from ..longctx import build_method as build_kv
+    from ..vision_tokens import UnsupportedModelError
     from ..vision_tokens import build_method as build_vision
+    from .generation import check_composition
 
     if config.vision is None:
         return
-    vision = build_vision(config.vision)
-    vision.check(model)
-    in_llm = vision.stage == "in-llm" or getattr(vision, "pruner", None) is not None
-    if in_llm and config.kv is not None and build_kv(config.kv).name == "chunked":
-        raise ValueError(f"{config.label!r}: {vision.name} prunes visual tokens inside the language model's prefill "
-                         "forward, and chunked prefill splits that forward, so nothing would be pruned; use a "
-                         "pre-LLM method with chunked prefill, e.g. 'pooling:keep_ratio=0.0625+chunked:chunk=1024'")
+    kv = None if config.kv is None else build_kv(config.kv)
+    try:
+        check_composition(model, kv, vision=build_vision(config.vision))
+    except UnsupportedModelError:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{config.label!r}: {exc}") from None
 
 
 @dataclass
