@@ -91,7 +91,7 @@ def test_untrained_zoo_model_names_the_train_command(monkeypatch, tmp_path):
 
 def test_zoo_list_rows():
     rows = {r["name"]: r for r in zoo_mod.list_models()}
-    assert set(rows) == {"micro-lm", "micro-draft"}
+    assert set(rows) == {"micro-lm", "micro-draft", "micro-ar"}
     for row in rows.values():
         assert row["trained"] == (row["size_bytes"] > 0)
 
