@@ -113,11 +113,98 @@ def test_draft_confidence_stop_keeps_output_and_drafts_less(micro):
 
 def test_prompt_lookup_finds_the_continuation():
     pl = PromptLookup(max_ngram=2)
-    # last bigram (1, 2) occurs at 0 and 4; the most recent one with 3 tokens after it is at 4
+    # last bigram (1, 2) occurs at 0 and 4; the most recent one is at 4
     assert pl.lookup(torch.tensor([1, 2, 3, 4, 1, 2, 3, 9, 1, 2]), 3).tolist() == [3, 9, 1]
-    # no room for k tokens after any match: the earliest match (longest continuation)
-    assert pl.lookup(torch.tensor([7, 1, 2, 5, 1, 2]), 8).tolist() == [5, 1, 2]
+    # a source close to the end continues periodically (CopySpec); without extend, only the tokens that exist
+    assert pl.lookup(torch.tensor([7, 1, 2, 5, 1, 2]), 8).tolist() == [5, 1, 2, 5, 1, 2, 5, 1]
+    assert PromptLookup(max_ngram=2, extend=False).lookup(torch.tensor([7, 1, 2, 5, 1, 2]), 8).tolist() == [5, 1, 2]
     assert pl.lookup(torch.tensor([1, 2, 3, 4]), 3) is None
+    # the strength of a match is how far back it agrees: the longer match wins over the more recent one
+    found = PromptLookup(max_ngram=4).match(torch.tensor([5, 6, 7, 8, 0, 7, 9, 6, 7]), 2)
+    assert (found.tokens.tolist(), found.length, found.start) == ([8, 0], 2, 3)
+
+
+def test_prompt_lookup_drafts_nothing_without_a_match(tiny):
+    """No earlier occurrence of the last token: the step proposes 0 tokens, a plain one-token decoding step."""
+    target, _ = tiny
+    pl = PromptLookup()
+    pl.begin(target, None, None, None)
+    ids = torch.randperm(120, generator=torch.Generator().manual_seed(0))[None, :24] + 3  # all distinct
+    draft = pl.propose(ids, torch.ones_like(ids), 6, Sampler())
+    assert draft.length == 0 and draft.tokens.shape == (1, 0) and draft.forwards == 0
+    out = speculative_generate(target, ids, PromptLookup(), max_new_tokens=MAX_NEW, num_draft_tokens=6,
+                               eos_token_id=None)
+    assert torch.equal(out.sequences, _plain(target, ids, eos_token_id=None))
+    assert out.proposed[0] == 0 and out.accepted[0] == 0
+    assert out.target_forwards == out.steps + 1  # one forward per step, drafts or not
+    no_match = out.drafter_telemetry["lookup_misses"]
+    assert no_match > 0 and out.proposed.count(0) >= no_match
+
+
+def test_prompt_lookup_holds_back_matches_that_keep_failing():
+    """Every copy is wrong (the committed token never equals the copied one): the estimated chance of the first
+    copied token falls and the drafter stops proposing, although a match is found at every step."""
+    pl = PromptLookup(verify_cost=0.1)
+    pl.begin(None, None, None, None)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 6, (1, 30), generator=gen)  # six symbols: the last token always recurs
+    lengths = []
+    for _ in range(40):
+        draft = pl.propose(seq, torch.ones_like(seq), 6, Sampler())
+        lengths.append(draft.length)
+        guess = pl.match(seq[0], 1).tokens[0]
+        nxt = (guess + 1 + torch.randint(0, 5, (1,), generator=gen)) % 6  # anything but the copied token
+        seq = torch.cat([seq, nxt[None]], dim=1)
+    assert lengths[0] > 0 and lengths[-10:] == [0] * 10
+    telemetry = pl.end()
+    assert telemetry["lookup_hits"] == 40 and telemetry["held_back_steps"] >= 10
+    p1, _ = pl.chances(1)
+    assert p1 < 0.1  # below verify_cost: one copied token no longer pays
+
+
+def test_prompt_lookup_classic_and_adaptive_stay_exact(tiny):
+    """verify_cost=0 is classic PLD (k tokens on every match, never held back); both equal plain greedy decoding."""
+    target, _ = tiny
+    ids = torch.randint(3, 40, (1, 48), generator=torch.Generator().manual_seed(2))  # many repeated tokens
+    ref = _plain(target, ids, eos_token_id=None)
+    for verify_cost in (0.0, 0.1):
+        out = speculative_generate(target, ids, PromptLookup(verify_cost=verify_cost), max_new_tokens=MAX_NEW,
+                                   num_draft_tokens=6, eos_token_id=None)
+        assert torch.equal(out.sequences, ref), verify_cost
+        hits = out.drafter_telemetry["lookup_hits"]
+        assert hits > 0 and out.drafter_telemetry["drafted_steps"] <= hits
+        if verify_cost == 0:
+            assert out.drafter_telemetry["held_back_steps"] == 0 and set(out.proposed[:-1]) <= {0, 6}
+
+
+def test_prompt_lookup_draft_length_follows_the_verification_cost(tiny):
+    """Length = argmax of expected tokens per cost: 0 when the first copied token is unlikely, long when a copy run is
+    likely to go on; a measured cost table (here: 3 tokens cheaper than 1) overrides the linear model and caps k."""
+    linear = PromptLookup(verify_cost=0.15)
+    assert linear.draft_length(0.05, 0.5, 8) == 0
+    assert linear.draft_length(0.5, 0.5, 8) == 2  # 1.75 tokens for 1.3 forwards
+    assert linear.draft_length(0.97, 0.97, 16) == 16
+    table = PromptLookup(verify_costs="5,5,1.1")
+    assert table.costs == [5.0, 5.0, 1.1] and table.draft_length(0.9, 0.9, 8) == 3
+    assert table.draft_length(0.05, 0.5, 8) == 0
+    from mmaccel.speculative.schedule import measure_verify_costs
+
+    target, _ = tiny
+    costs = measure_verify_costs(target, max_draft=3, context=8, repeats=1, clock="cpu")
+    assert len(costs) == 3 and all(c > 0 for c in costs)
+    PromptLookup(verify_costs=costs)  # a measured table is accepted as is
+    with pytest.raises(ValueError, match="need max_draft, context, repeats >= 1"):
+        measure_verify_costs(target, max_draft=0)
+
+
+def test_prompt_lookup_bad_arguments():
+    for kwargs in ({"min_ngram": 0}, {"min_ngram": 4, "max_ngram": 3}, {"verify_cost": -0.1}, {"decay": 0},
+                   {"prior_weight": 0}):
+        with pytest.raises(ValueError, match="prompt lookup"):
+            PromptLookup(**kwargs)
+    for costs in ("1,x", "", "1,-2", [0.0]):
+        with pytest.raises(ValueError, match="verify_costs must be"):
+            PromptLookup(verify_costs=costs)
 
 
 def test_prompt_lookup_copies_a_repeated_paragraph(micro):

@@ -9,6 +9,9 @@ al., 2023, arXiv 2302.01318), KV rollback with ``DynamicCache.crop`` and the tel
 :func:`speculative_generate`; a drafter (:class:`Drafter`) only proposes tokens. Tree drafters (``tree``, ``dytree``:
 :mod:`mmaccel.speculative.tree`) propose a token tree that the target verifies in one forward with a tree attention
 mask (SpecInfer, Miao et al., 2023, arXiv 2305.09781; Medusa, arXiv 2401.10774; EAGLE, arXiv 2401.15077), batch 1.
+``layer_skip`` drafts with the target itself minus a searched set of decoder layers (Draft & Verify, arXiv
+2309.08168; SWIFT, arXiv 2410.06916; :mod:`mmaccel.speculative.layer_skip`); ``prompt_lookup`` copies from the context
+and drafts nothing where a copy would not pay for its verification.
 ``METHODS`` is the registry the CLI and the app list; adding a drafter is one file and one line here. :data:`PEERS`
 holds transformers' own speculative paths (``hf_assisted``, ``hf_prompt_lookup``, ``hf_early_exit``);
 :func:`build_speculative_method` turns a drafter or peer spec into what
@@ -32,7 +35,8 @@ from .harness import (
     speculative_method_names,
 )
 from .jacobi import Jacobi
-from .prompt_lookup import PromptLookup
+from .layer_skip import LayerSkip, SkipSet, available_skip_sets, load_skip_set, search_skip_layers, skipping_layers
+from .prompt_lookup import LookupMatch, PromptLookup
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength
 from .tree import (
@@ -54,6 +58,7 @@ METHODS: dict[str, type[Drafter]] = {
     "prompt_lookup": PromptLookup,
     "pld": PromptLookup,
     "jacobi": Jacobi,
+    "layer_skip": LayerSkip,
     "tree": DraftTree,
     "dytree": DynamicDraftTree,
 }
@@ -61,8 +66,8 @@ METHODS: dict[str, type[Drafter]] = {
 
 def build_drafter(spec: str) -> Drafter:
     """Build a drafter from a spec such as ``"draft:model=micro-draft"``, ``"prompt_lookup:max_ngram=3"``,
-    ``"jacobi"`` or ``"tree:model=micro-draft:shape=3,2,2"``. Each class's docstring names its paper (speculative decoding itself: Leviathan et al., 2023,
-    arXiv 2211.17192).
+    ``"jacobi"``, ``"layer_skip:skip=4,7,9"`` or ``"tree:model=micro-draft:shape=3,2,2"``. Each class's docstring
+    names its paper (speculative decoding itself: Leviathan et al., 2023, arXiv 2211.17192).
 
     Raises
     ------
@@ -85,8 +90,11 @@ __all__ = [
     "HFEarlyExit",
     "HFPromptLookup",
     "Jacobi",
+    "LayerSkip",
+    "LookupMatch",
     "PromptLookup",
     "Sampler",
+    "SkipSet",
     "SpeculativeMethod",
     "SpeculativeOutput",
     "TokenTree",
@@ -94,6 +102,7 @@ __all__ = [
     "TreeDraft",
     "TreeDrafter",
     "ancestor_mask",
+    "available_skip_sets",
     "build_drafter",
     "build_speculative_method",
     "check_same_vocabulary",
@@ -102,9 +111,12 @@ __all__ = [
     "is_speculative_spec",
     "keep_cache_slots",
     "left_padding",
+    "load_skip_set",
     "model_tree_mask",
     "positions_from_mask",
     "residual_distribution",
+    "search_skip_layers",
+    "skipping_layers",
     "speculative_generate",
     "speculative_method_names",
     "verify_greedy",

@@ -17,7 +17,11 @@ Huang, Guo, Wang, "SpecDec++: Boosting Speculative Decoding via Adaptive Candida
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -97,14 +101,60 @@ class AdaptiveDraftLength:
             return
         self._accepts = self.decay * self._accepts + accepted
         self._rejects = self.decay * self._rejects + (1.0 if accepted < proposed else 0.0)
-        alpha = min(self.alpha, 1.0 - 1e-6)
-        best, best_rate = self.min_tokens, -1.0
-        for k in range(self.min_tokens, self.max_tokens + 1):
-            rate = (1.0 - alpha ** (k + 1)) / (1.0 - alpha) / (1.0 + (self.draft_cost + self.verify_cost) * k)
-            if rate > best_rate + 1e-12:
-                best, best_rate = k, rate
-        self._k = best
-        self.history.append(best)
+        self._k = best_draft_length(self.alpha, self.min_tokens, self.max_tokens, self.draft_cost,
+                                    self.verify_cost)
+        self.history.append(self._k)
+
+
+def expected_rate(alpha: float, k: int, cost_per_token: float) -> float:
+    """Expected tokens per unit of cost of one step that drafts ``k`` tokens (Leviathan et al., 2023,
+    arXiv 2211.17192, Sec. 3.5): ``(1 - alpha^(k+1)) / (1 - alpha) / (1 + cost_per_token * k)``.
+
+    Parameters
+    ----------
+    alpha : float
+        Per-token acceptance probability, in ``[0, 1]`` (draft tokens accepted independently, each with ``alpha``).
+    k : int
+        Draft tokens, ``>= 0``; ``k = 0`` is a plain decoding step (rate 1).
+    cost_per_token : float
+        Cost of one more draft token (drafting it plus verifying it) relative to a one-token target forward.
+
+    Returns
+    -------
+    float
+        Committed tokens per one-token-forward of cost; above 1 the step beats autoregressive decoding.
+    """
+    alpha = min(max(float(alpha), 0.0), 1.0 - 1e-9)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha) / (1.0 + cost_per_token * k)
+
+
+def best_draft_length(alpha: float, min_tokens: int, max_tokens: int, draft_cost: float = 0.0,
+                      verify_cost: float = 0.05) -> int:
+    """The draft length in ``min_tokens .. max_tokens`` with the most expected tokens per unit of cost
+    (:func:`expected_rate`; Leviathan et al., 2023, arXiv 2211.17192, Sec. 3.5). With ``min_tokens = 0`` it answers
+    0 when no draft pays for its verification (SmartSpec's per-request length ``0 .. k``, arXiv 2406.14066).
+
+    Parameters
+    ----------
+    alpha : float
+        Per-token acceptance probability, in ``[0, 1]``.
+    min_tokens, max_tokens : int
+        Bounds, ``0 <= min_tokens <= max_tokens``.
+    draft_cost, verify_cost : float
+        Cost of drafting / verifying one more token relative to a one-token target forward, ``>= 0``.
+
+    Returns
+    -------
+    int
+        The best length; the shortest one on ties.
+    """
+    cost = draft_cost + verify_cost
+    best, best_rate = min_tokens, -1.0
+    for k in range(min_tokens, max_tokens + 1):
+        rate = expected_rate(alpha, k, cost)
+        if rate > best_rate + 1e-12:
+            best, best_rate = k, rate
+    return best
 
 
 def check_draft_length(num_draft_tokens) -> None:
@@ -123,3 +173,80 @@ def check_draft_length(num_draft_tokens) -> None:
             f"num_draft_tokens must be an int >= 1 or an AdaptiveDraftLength, got {num_draft_tokens!r}; "
             "pass e.g. num_draft_tokens=4"
         )
+
+
+def parse_costs(costs) -> list[float]:
+    """A verification cost table from a list of numbers or a spec string ``"1.03,1.19,1.67"``: entry ``i`` is the
+    cost of verifying ``i + 1`` draft tokens relative to a one-token target forward.
+
+    Raises
+    ------
+    ValueError
+        For anything but a non-empty list of positive numbers.
+    """
+    values = costs.replace(";", ",").split(",") if isinstance(costs, str) else costs
+    try:
+        table = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"verify_costs must be positive numbers such as '1.03,1.19,1.67', got {costs!r}") from None
+    if not table or any(not v > 0 for v in table):
+        raise ValueError(f"verify_costs must be a non-empty list of positive numbers, got {costs!r}")
+    return table
+
+
+@torch.inference_mode()
+def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repeats: int = 5,
+                         clock: str = "wall") -> list[float]:
+    """Measure what verifying ``k`` draft tokens costs on this machine: the time of one target forward of ``k + 1``
+    tokens over a cached context, over the time of a one-token forward (the ``cost(k)`` of Leviathan et al., 2023,
+    arXiv 2211.17192, Sec. 3.5, measured instead of assumed linear).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The target (random token ids are fed; no output is used).
+    max_draft : int
+        Longest draft measured, ``>= 1``.
+    context : int
+        Cached tokens before the measured forwards, ``>= 1``.
+    repeats : int
+        Interleaved rounds over all lengths; the median per length is kept, ``>= 1``.
+    clock : {"wall", "cpu"}
+        ``"cpu"`` (process time) is steadier on a shared machine with one thread; ``"wall"`` is what a user waits.
+
+    Returns
+    -------
+    list of float
+        ``max_draft`` relative costs (entry ``k - 1`` for ``k`` draft tokens), for ``PromptLookup(verify_costs=...)``.
+
+    Raises
+    ------
+    ValueError
+        For arguments out of range.
+    """
+    if max_draft < 1 or context < 1 or repeats < 1 or clock not in ("wall", "cpu"):
+        raise ValueError("need max_draft, context, repeats >= 1 and clock 'wall' or 'cpu'")
+    from transformers import DynamicCache
+
+    now = time.perf_counter if clock == "wall" else time.process_time
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), past_key_values=cache,
+          use_cache=True)
+    times: dict[int, list] = {n: [] for n in range(1, max_draft + 2)}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for n in times:
+            ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = now()
+            model(input_ids=ids, position_ids=torch.arange(context, context + n, device=device)[None],
+                  past_key_values=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[n].append(now() - t0)
+            cache.crop(-n)
+    base = statistics.median(times[1][1:])
+    return [round(statistics.median(times[n][1:]) / base, 3) for n in range(2, max_draft + 2)]
