@@ -13,7 +13,7 @@ paints 16 x 16 images (272 tokens: 256 pixels and a row token per row) and 8-fra
 - clips also ``sjd:init=previous_frame``: each frame's window starts from the previous frame's tokens (our
   extension; the pixel above inside the first frame);
 - ``lantern:k=..:delta=..``: :class:`~mmaccel.speculative.lantern.Lantern` around SJD (neighbour init), neighbours by
-  palette RGB distance (lossy).
+  palette RGB distance (lossy); ``k=16`` puts every colour in the neighbourhood (a stress test of the loss).
 
 Each is run greedy (SJD must equal AR token for token; the ``identical`` column checks it) and sampled at
 ``--temperature`` (every method with its own seeded generator; AR sampled with ``generate``). Reported per method:
@@ -121,7 +121,7 @@ def methods_for(kind, windows, neighbours):
     k = max(windows)
     init = ({"init": "previous_frame", "width": width, "frame": frame} if kind == "video"
             else {"init": "neighbour", "width": width})
-    for lk, delta in ((3, 0.1), (3, 0.3)):
+    for lk, delta in ((3, 0.1), (3, 0.3), (16, 0.3)):
         out.append((f"lantern:k={lk}:delta={delta}:init={init['init']}:window={k}",
                     lambda lk=lk, delta=delta: Lantern(k=lk, delta=delta, neighbours=neighbours,
                                                        init_tokens=PALETTE_TOKENS, **init), k))
@@ -162,6 +162,7 @@ def summarise(res, ar, samples, n_tokens, temperature):
         row["initialised_tokens_mean"] = float(np.mean([x.get("initialised_tokens", 0) for x in t]))
         if "relaxed_positions" in t[0]:
             row["relaxed_positions_mean"] = float(np.mean([x["relaxed_positions"] for x in t]))
+            row["mean_moved_mass"] = float(np.mean([x["mean_moved_mass"] for x in t]))
             row["lossless"] = False
     return row
 
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tok = load(args.model, device="cpu")
     model.eval()
-    neighbours = latent_neighbours(torch.tensor(list(PALETTE16.values()), dtype=torch.float32), 3,
+    neighbours = latent_neighbours(torch.tensor(list(PALETTE16.values()), dtype=torch.float32), len(PALETTE16),
                                    vocab_size=model.config.vocab_size, token_ids=PALETTE_TOKENS)
     out_path = Path(args.out)
     media_dir = out_path.with_suffix("")

@@ -240,5 +240,5 @@ def test_cli_fetch_errors(capsys):
 
 
 def test_unknown_zoo_name_lists_the_whole_zoo():
-    with pytest.raises(ModelLoadError, match="micro-lm, micro-draft, smollm2-135m, dinov2-small"):
+    with pytest.raises(ModelLoadError, match="micro-lm, micro-draft, micro-ar, smollm2-135m, dinov2-small"):
         load("no-such-model", device="cpu")
