@@ -1,4 +1,7 @@
-"""Greedy outputs of smollm2-135m on tuning (held-out) and eval prompt sets, for offline simulation of drafters."""
+"""Greedy outputs of smollm2-135m on tuning (held-out) and eval prompt sets, for replaying drafters offline.
+
+Usage: python collect.py 128 greedy_outputs.jsonl
+"""
 import json, sys, torch
 torch.set_num_threads(1)
 import mmaccel
