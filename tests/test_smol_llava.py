@@ -181,10 +181,41 @@ def test_cached_feature_path_gives_the_models_logits(built, batch):
         ref = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
                     pixel_values=inputs["pixel_values"]).logits
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    # the targets are exactly the answer tokens and EOS, right-aligned
-    for row, e in zip(b["targets"], examples):
-        assert row[row != -100].tolist() == e.input_ids[-e.n_target:]
+    # the targets are exactly the answer tokens and EOS, at the end of each row
+    for row, e in zip(b["labels"], examples):
+        assert row[row != -100].tolist() == e.input_ids[-e.n_target:] and row[-e.n_target:].ne(-100).all()
         assert e.input_ids[-1] == processor.tokenizer.eos_token_id
+
+
+def test_multi_turn_conversations_put_one_image_before_several_answers(built):
+    """``turns=3``: one scene's three questions share one copy of its visual tokens; turn 1 is the single-question
+    prompt; labels mark every answer and its EOS; the loss (LM head on target positions only) equals the
+    cross-entropy gathered from the full model's logits."""
+    model, processor = built
+    qas = make_scene_qa(6, seed=5, per_scene=3)
+    single, _ = tr.encode_examples(processor, qas)
+    multi, images = tr.encode_examples(processor, qas, turns=3)
+    assert len(multi) == 2 and len(images) == 2 and [m.answers for m in multi] == [[q.answer for q in qas[:3]],
+                                                                                  [q.answer for q in qas[3:]]]
+    tok = processor.tokenizer
+    for m, first in zip(multi, single[::3]):
+        assert m.input_ids[:len(first.input_ids)] == first.input_ids and m.labels[:len(first.labels)] == first.labels
+        image_id = model.config.image_token_id
+        assert m.input_ids.count(image_id) == first.input_ids.count(image_id) == 144  # 168 px / 14 = 12 x 12
+        targets = [t for t in m.labels if t != -100]
+        assert targets == sum((tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in m.answers), [])
+    feats = tr.cache_features(model, processor, images)
+    b = tr.collate(multi, tok.pad_token_id)
+    with torch.no_grad():
+        loss, exact = tr.answer_loss(model, b, feats)
+        logits = model(inputs_embeds=sl.embed_with_features(model, b["input_ids"], feats[b["images"]]),
+                       attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    labels = b["labels"][:, 1:]
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1][labels != -100], labels[labels != -100])
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert exact.shape == (2,)
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        tr.encode_examples(processor, qas, turns=0)
 
 
 # ---------------------------------------------------------------------------------------------------------- training
@@ -209,13 +240,16 @@ def test_projector_only_step_freezes_the_rest_and_lowers_the_loss(parts):
 
 
 def test_train_writes_a_projector_that_loads_back_identically(parts, built, batch, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("peft")
     out = tmp_path / "smol-llava"
     summary = tr.train(out, steps=4, batch_size=2, lr=3e-3, warmup=1, eval_n=4, log_every=2, vision=str(parts[0]),
                        language=str(parts[1]), progress=True)
     assert "ETA:" in capsys.readouterr().err
-    assert summary["steps_done"] == 4 and summary["examples_seen"] == 8 and summary["train_scenes"] == 4
+    # the default recipe: conversations of 5 questions about one scene, LoRA adapters on the LM
+    assert summary["steps_done"] == 4 and summary["examples_seen"] == 40 and summary["train_scenes"] == 8
     assert [h["step"] for h in summary["history"]] == [2, 4]
     assert summary["eta"]["per_step_s"] > 0 and summary["projector_params"] == 2 * 32 * 32 + 2 * 32
+    assert summary["lora"]["rank"] == 8 and summary["lora"]["params"] > 0
     log = json.loads((out / "train_log.json").read_text())
     assert log["eval"]["n"] == 4 and set(log["eval"]["by_kind"]) <= {"colour", "shape", "count", "relation", "size"}
     card = (out / "README.md").read_text()
@@ -236,6 +270,34 @@ def test_train_writes_a_projector_that_loads_back_identically(parts, built, batc
     assert torch.equal(_logits(again, inputs), _logits(model, inputs))
     assert not torch.equal(_logits(built[0], inputs), _logits(model, inputs))  # the projector was trained
     assert load_tokenizer("smol-llava").tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_id
+
+
+def test_lora_training_is_stored_and_merged_at_load(parts, batch, tmp_path):
+    """``lora_rank > 0``: peft adapters on the LM's linear layers learn with the projector; the file holds them and
+    a load merges them into plain ``nn.Linear`` weights, giving the logits of the trained (unmerged) model."""
+    pytest.importorskip("peft")
+    model, processor = sl.build_llava(*parts)
+    base = {n: p.detach().clone() for n, p in model.model.language_model.named_parameters()}
+    params = tr.freeze_all_but_projector(model)
+    lora = tr.add_lora(model, rank=4, alpha=8.0)
+    assert len(lora) == 2 * len(tr.LORA_TARGETS) * model.config.text_config.num_hidden_layers
+    examples, images = tr.encode_examples(processor, make_scene_qa(4, seed=3, per_scene=2), turns=2)
+    feats = tr.cache_features(model, processor, images)
+    b = tr.collate(examples, processor.tokenizer.pad_token_id)
+    opt = torch.optim.AdamW([{"params": params}, {"params": lora}], lr=1e-2, weight_decay=0.0)
+    losses = [tr.train_step(model, opt, b, feats)["loss"] for _ in range(8)]
+    assert losses[-1] < losses[0]
+    _, inputs = batch
+    trained = _logits(model, inputs)
+    state = sl.lora_state(model.model.language_model)
+    assert state["rank"] == 4 and state["scale"] == 2.0 and any(bb.abs().sum() > 0 for _, bb in state["modules"].values())
+    path = sl.save_projector(model, tmp_path / "projector.safetensors", lora=state)
+    again, _ = sl.build_llava(*parts, projector=path)
+    assert not any("lora" in n for n, _ in again.named_parameters())
+    changed = [n for n, p in again.model.language_model.named_parameters() if not torch.equal(p, base[n])]
+    assert changed and all(n.endswith("proj.weight") for n in changed)
+    torch.testing.assert_close(_logits(again, inputs), trained, rtol=1e-4, atol=1e-4)
+    assert sl.merge_lora(again, sl.save_projector(again, tmp_path / "plain.safetensors")) == 0
 
 
 def test_hf_save_pretrained_round_trip(built, batch, tmp_path):

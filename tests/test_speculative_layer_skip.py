@@ -112,9 +112,8 @@ def test_the_target_is_restored(hand):
     with skipping_layers(hand, IDENTITY):
         assert len(hand.model.layers) == 4 and all(hand.model.layers[i] is layers[j] for i, j in enumerate([0, 1, 3, 5]))
     assert hand.model.layers is layers and len(layers) == 6
-    with pytest.raises(RuntimeError, match="inside"):
-        with skipping_layers(hand, [1]):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), skipping_layers(hand, [1]):
+        raise RuntimeError("inside")
     assert hand.model.layers is layers
 
 
@@ -157,9 +156,8 @@ def test_out_of_range_skip_is_refused(hand):
     with pytest.raises(ValueError, match=r"skip index 7 is out of range for a model with 6 decoder layers: skip "
                                          r"layers 1 \.\. 5 \(layer 0 always runs\)"):
         speculative_generate(hand, torch.tensor([[5, 6, 7]]), drafter, max_new_tokens=4)
-    with pytest.raises(ValueError, match="skip index 7 is out of range"):
-        with skipping_layers(hand, [7]):
-            pass
+    with pytest.raises(ValueError, match="skip index 7 is out of range"), skipping_layers(hand, [7]):
+        pass
     assert len(hand.model.layers) == 6
 
 

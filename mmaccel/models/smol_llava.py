@@ -28,6 +28,11 @@ feature to one input embedding of the LM. Only the projector is trained (LLaVA's
   template with no default system prompt that writes ``<image>`` where the user turn holds an image.
 - **Projector.** ``LlavaMultiModalProjector`` initialised from a seeded generator (weights N(0, 0.02), biases 0),
   or loaded from ``projector.safetensors`` (:func:`save_projector` / :func:`load_projector`).
+- **LoRA adapters** (optional; Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021, arXiv
+  2106.09685). The same file may hold low-rank updates of the LM's linear layers (``lora.<module>.A`` [r, in] and
+  ``lora.<module>.B`` [out, r], the scale ``alpha / r`` in its metadata), trained with ``peft`` by
+  :mod:`mmaccel.models.train_smol_llava`. A load merges them into the LM's weights (``W += scale * B @ A``,
+  :func:`merge_lora`), so the loaded model is a plain ``LlavaForConditionalGeneration`` and needs no ``peft``.
 
 The build is deterministic, so a committed projector plus the two fetched parts reproduce the trained model.
 """
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 IMAGE_TOKEN = "<image>"
 PROJECTOR_FILE = "projector.safetensors"
 _FORMAT = "mmaccel-llava-projector-v1"
+_LORA = "lora."  # key prefix of the LM adapters stored beside the projector
 
 #: ChatML (SmolLM2's format) without SmolLM2's default system prompt; an ``{"type": "image"}`` item becomes
 #: ``<image>`` followed by a newline, which the processor expands to the image's visual tokens.
@@ -313,6 +319,7 @@ def build_llava(
     model.set_attn_implementation(attn_implementation)
     if projector is not None:
         load_projector(model, projector)
+        merge_lora(model, projector)
     return model.eval(), processor
 
 
@@ -322,7 +329,8 @@ def projector_of(model) -> nn.Module:
     return inner.multi_modal_projector
 
 
-def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe: BuildRecipe = BuildRecipe()) -> Path:
+def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe: BuildRecipe = BuildRecipe(),
+                   lora: dict | None = None) -> Path:
     """Write the projector's weights (float32 safetensors) with the build recipe and the parts in its metadata.
 
     Parameters
@@ -334,6 +342,9 @@ def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe
         What it was trained on, e.g. ``{"vision": {"name": "dinov2-small", "sha256": ...}, ...}``.
     recipe : BuildRecipe
         The recipe the model was built with.
+    lora : dict, optional
+        LM adapters to store beside the projector (:func:`lora_state`): ``{"scale": float, "rank": int, "alpha":
+        float, "modules": {LM module name: (A [r, in], B [out, r])}}``.
 
     Returns
     -------
@@ -346,8 +357,92 @@ def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in projector_of(model).state_dict().items()}
     meta = {"format": _FORMAT, "recipe": recipe.to_json(), "parts": json.dumps(parts or {}, sort_keys=True)}
+    if lora:
+        for name, (a, b) in lora["modules"].items():
+            tensors[f"{_LORA}{name}.A"] = a.detach().to(torch.float32).contiguous().cpu()
+            tensors[f"{_LORA}{name}.B"] = b.detach().to(torch.float32).contiguous().cpu()
+        meta["lora"] = json.dumps({k: lora[k] for k in ("scale", "rank", "alpha")}, sort_keys=True)
     save_file(tensors, str(path), metadata=meta)
     return path
+
+
+def lora_state(language_model: nn.Module, adapter: str = "default") -> dict:
+    """The LoRA factors that ``peft`` injected into a language model, in the form :func:`save_projector` stores.
+
+    Parameters
+    ----------
+    language_model : nn.Module
+        The LM (``model.model.language_model``) after ``peft.inject_adapter_in_model``.
+    adapter : str
+        The adapter's name in ``peft``.
+
+    Returns
+    -------
+    dict
+        ``{"scale", "rank", "alpha", "modules": {module name: (A [r, in], B [out, r])}}`` (tensors detached).
+
+    Raises
+    ------
+    ValueError
+        If the model holds no LoRA layer, or their ranks or scales differ.
+    """
+    modules, scales, ranks, alphas = {}, set(), set(), set()
+    for name, mod in language_model.named_modules():
+        lora_a = getattr(mod, "lora_A", None)
+        if isinstance(lora_a, nn.ModuleDict) and adapter in lora_a:
+            a, b = lora_a[adapter].weight, mod.lora_B[adapter].weight
+            modules[name] = (a.detach().clone(), b.detach().clone())
+            scales.add(float(mod.scaling[adapter]))
+            ranks.add(int(a.shape[0]))
+            alphas.add(float(mod.lora_alpha[adapter]))
+    if not modules or len(scales) != 1 or len(ranks) != 1:
+        raise ValueError(f"expected LoRA layers of one rank and scale in the language model; found {len(modules)} "
+                         f"layers, ranks {sorted(ranks)}, scales {sorted(scales)}")
+    return {"scale": scales.pop(), "rank": ranks.pop(), "alpha": alphas.pop(), "modules": modules}
+
+
+@torch.no_grad()
+def merge_lora(model, path: str | Path) -> int:
+    """Merge the LoRA factors stored in a projector file into the LM's weights: ``W += scale * B @ A``.
+
+    Parameters
+    ----------
+    model : LlavaForConditionalGeneration
+    path : path
+        A file written by :func:`save_projector` (one without adapters changes nothing).
+
+    Returns
+    -------
+    int
+        How many linear layers were updated (0 when the file holds no adapters).
+
+    Raises
+    ------
+    ValueError
+        If a stored module is not a linear layer of this LM, or its factors' shapes do not fit it.
+    """
+    from safetensors import safe_open
+
+    info = json.loads(_metadata(path).get("lora", "null") or "null")
+    if not info:
+        return 0
+    lm = model.model.language_model
+    merged = 0
+    with safe_open(str(path), "pt") as f:
+        names = sorted(k[len(_LORA):-2] for k in f.keys() if k.startswith(_LORA) and k.endswith(".A"))
+        for name in names:
+            try:
+                layer = lm.get_submodule(name)
+            except AttributeError:
+                layer = None
+            a, b = f.get_tensor(f"{_LORA}{name}.A"), f.get_tensor(f"{_LORA}{name}.B")
+            if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != (b.shape[0], a.shape[1]):
+                raise ValueError(f"{path}: the LoRA factors of {name!r} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
+                                 f"this language model: it was trained for other parts")
+            delta = info["scale"] * (b.to(torch.float32) @ a.to(torch.float32))
+            layer.weight.copy_((layer.weight.to(torch.float32) + delta.to(layer.weight.device)).to(layer.weight.dtype))
+            merged += 1
+    return merged
 
 
 def _metadata(path: str | Path) -> dict:
@@ -400,7 +495,7 @@ def load_projector(model, path: str | Path) -> None:
 
     _metadata(path)
     proj = projector_of(model)
-    state = load_file(str(path))
+    state = {k: v for k, v in load_file(str(path)).items() if not k.startswith(_LORA)}
     mine = proj.state_dict()
     bad = sorted(set(state) ^ set(mine)) or [k for k in mine if tuple(state[k].shape) != tuple(mine[k].shape)]
     if bad:

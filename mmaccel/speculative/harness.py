@@ -47,7 +47,7 @@ from .schedule import AdaptiveDraftLength, check_draft_length
 logger = logging.getLogger(__name__)
 
 #: default draft tokens per step of each drafter (PLD drafts up to 10 tokens, Saxena 2023)
-DEFAULT_K = {"prompt_lookup": 10, "pld": 10}
+DEFAULT_K = {"prompt_lookup": 16, "pld": 10}
 
 
 def _sync(device: torch.device) -> None:

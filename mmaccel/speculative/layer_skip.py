@@ -249,16 +249,10 @@ class SkipSet:
                            ", ".join(f"{k}: {self.fingerprint[k]} vs {fp.get(k)}" for k in differ))
 
     def to_dict(self) -> dict:
+        """The JSON object of the file format (module docstring), ``format`` tag included."""
         return {"format": FORMAT, "model": self.model, "num_layers": self.num_layers, "fingerprint": self.fingerprint,
                 "skip": list(self.skip), "agreement": self.agreement, "draft_cost": self.draft_cost,
                 "found_by": self.found_by}
-
-    def save(self, path) -> Path:
-        """Write the skip set as JSON to ``path`` (parent folders are created); return the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "") -> SkipSet:
@@ -276,6 +270,19 @@ class SkipSet:
                        data.get("fingerprint", {}), data.get("model", ""), data.get("found_by", {}), source)
         except KeyError as exc:
             raise ValueError(f"skip set {source!r} lacks the field {exc}") from exc
+
+    def save(self, path) -> Path:
+        """Write this skip set to ``path`` as indented JSON, creating parent folders.
+
+        Returns
+        -------
+        pathlib.Path
+            Where it was written.
+        """
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return out
 
 
 def available_skip_sets() -> list[str]:

@@ -237,7 +237,7 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
           use_cache=True)
     times: dict[int, list] = {n: [] for n in range(1, max_draft + 2)}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        for n in times:
+        for n, spent in times.items():
             ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -246,7 +246,7 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
                   past_key_values=cache, use_cache=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            times[n].append(now() - t0)
+            spent.append(now() - t0)
             cache.crop(-n)
     base = statistics.median(times[1][1:])
     return [round(statistics.median(times[n][1:]) / base, 3) for n in range(2, max_draft + 2)]

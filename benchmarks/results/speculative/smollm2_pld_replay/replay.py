@@ -41,7 +41,7 @@ def replay(drafter, full, prompt_len, k_max, cost, new=64):
 
 def main():
     table = [float(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else CPU_TABLE
-    cost = lambda k: 1.0 if k == 0 else table[min(k, len(table)) - 1]  # noqa: E731
+    cost = lambda k: 1.0 if k == 0 else table[min(k, len(table)) - 1]
     policies = [
         ("classic PLD (max_ngram=3, k=10)", lambda: PromptLookup(max_ngram=3, verify_cost=0, extend=False), 10),
         ("adaptive, linear 0.15, k=10", lambda: PromptLookup(), 10),

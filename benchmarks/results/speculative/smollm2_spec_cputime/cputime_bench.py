@@ -76,8 +76,9 @@ def main(out_path, n_prompts, repeats, specs):
                 "tokens_per_forward": sum(r["new_tokens"] for r in rs) / sum(r["target_forwards"] for r in rs),
                 "identical": f"{sum(r['identical'] for r in rs)}/{len(rs)}",
                 "cpu_s": sum(r["cpu_s"] for r in rs), "wall_s": sum(r["wall_s"] for r in rs)}
-    json.dump({"config": {"n_prompts": n_prompts, "repeats": repeats, "threads": 1, "max_new_tokens": 64,
-                          "specs": specs}, "summary": summary, "rows": rows}, open(out_path, "w"), indent=1)
+    with open(out_path, "w") as f:
+        json.dump({"config": {"n_prompts": n_prompts, "repeats": repeats, "threads": 1, "max_new_tokens": 64,
+                              "specs": specs}, "summary": summary, "rows": rows}, f, indent=1)
     for s, by in summary.items():
         print(f"### {s}\n| method | identical | tokens / forward | CPU-time speedup | wall speedup |\n|---|---|---|---|---|")
         for label, x in by.items():
