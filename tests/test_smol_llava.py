@@ -243,9 +243,9 @@ def test_train_writes_a_projector_that_loads_back_identically(parts, built, batc
     pytest.importorskip("peft")
     out = tmp_path / "smol-llava"
     summary = tr.train(out, steps=4, batch_size=2, lr=3e-3, warmup=1, eval_n=4, log_every=2, vision=str(parts[0]),
-                       language=str(parts[1]), progress=True)
+                       language=str(parts[1]), progress=True, turns=5, lora_rank=8)
     assert "ETA:" in capsys.readouterr().err
-    # the default recipe: conversations of 5 questions about one scene, LoRA adapters on the LM
+    # conversations of 5 questions about one scene, LoRA adapters on the LM
     assert summary["steps_done"] == 4 and summary["examples_seen"] == 40 and summary["train_scenes"] == 8
     assert [h["step"] for h in summary["history"]] == [2, 4]
     assert summary["eta"]["per_step_s"] > 0 and summary["projector_params"] == 2 * 32 * 32 + 2 * 32
@@ -255,7 +255,7 @@ def test_train_writes_a_projector_that_loads_back_identically(parts, built, batc
     card = (out / "README.md").read_text()
     assert tr.CARD_MARKER in card and summary["command"] in card
     assert summary["command"].startswith("python -m mmaccel.models.train_smol_llava --steps 4 --batch-size 2 --lr 0.003")
-    assert "--warmup 1 --eval-n 4 --vision " in summary["command"]
+    assert "--warmup 1 --per-scene 5 --turns 5 --lora-rank 8 --eval-n 4 --vision " in summary["command"]
     # mmaccel.load composes the same parts and the written projector: one model, whose score is the logged one
     entry = dataclasses.replace(built_mod.BUILT["smol-llava"], parts=(("vision", str(parts[0])),
                                                                       ("language", str(parts[1]))))
