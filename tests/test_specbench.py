@@ -81,7 +81,7 @@ def test_registry_resolves_drafters_and_peers():
     assert set(PEERS) == {"hf_assisted", "hf_prompt_lookup", "hf_early_exit"}
     assert {"draft", "prompt_lookup", "pld", "jacobi"} <= set(speculative_method_names())
     m = build_speculative_method("prompt_lookup")
-    assert isinstance(m, SpeculativeMethod) and m.num_draft_tokens == 10 and m.lossless
+    assert isinstance(m, SpeculativeMethod) and m.num_draft_tokens == 16 and m.lossless  # DEFAULT_K
     assert build_speculative_method("draft:k=6").num_draft_tokens == 6
     assert isinstance(build_speculative_method("hf_assisted", draft="micro-draft"), HFAssisted)
     assert build_speculative_method("hf_prompt_lookup:num_tokens=5").generate_kwargs(None) == {
