@@ -5,6 +5,7 @@ Values are parsed as int, then float, then ``true``/``false``, else kept as stri
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -112,3 +113,44 @@ def accepted_keys(cls) -> list[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def read_shipped_json(name_or_path, directory, what: str, fix: str) -> dict:
+    """Read a JSON file named by a path, or by the stem of a file shipped in ``directory`` (a spec value such as
+    ``pattern=smollm2-135m`` or ``skip=smollm2-135m``).
+
+    Parameters
+    ----------
+    name_or_path : str or os.PathLike
+        An existing file, or a shipped name (no ``/``, no ``.json`` suffix).
+    directory : pathlib.Path
+        The folder of shipped ``NAME.json`` files.
+    what : str
+        What the file holds, for messages (``"head pattern"``).
+    fix : str
+        How to make one, appended to the unknown-name message.
+
+    Returns
+    -------
+    dict
+        The parsed JSON object.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name or a missing file (the message lists the shipped names), or unreadable JSON.
+    """
+    from pathlib import Path
+
+    text = str(name_or_path)
+    path = Path(text)
+    if not path.is_file():
+        path = Path(directory) / f"{text}.json"
+        if "/" in text or text.endswith(".json") or not path.is_file():
+            shipped = ", ".join(sorted(p.stem for p in Path(directory).glob("*.json"))) or "none"
+            raise ValueError(f"unknown {what} {text!r}: no such file, and not a shipped name (shipped: {shipped}); "
+                             f"{fix}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {text!r}: {exc}") from exc

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..specs import read_shipped_json
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "mmaccel-head-pattern/1"
@@ -237,19 +239,6 @@ def load_head_pattern(name_or_path) -> HeadPattern:
     if isinstance(name_or_path, HeadPattern):
         return name_or_path
     text = str(name_or_path)
-    path = Path(text)
-    if not path.is_file():
-        named = PATTERN_DIR / f"{text}.json"
-        if named.is_file() and "/" not in text and not text.endswith(".json"):
-            path = named
-        else:
-            raise ValueError(
-                f"unknown head pattern {text!r}: no such file, and not a shipped name (shipped: "
-                f"{', '.join(available_head_patterns()) or 'none'}); make one with "
-                "mmaccel.longctx.head_finder.find_retrieval_heads(model, tokenizer).save(path)"
-            )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read head pattern {text!r}: {exc}") from exc
+    data = read_shipped_json(text, PATTERN_DIR, "head pattern", "make one with "
+                             "mmaccel.longctx.head_finder.find_retrieval_heads(model, tokenizer).save(path)")
     return HeadPattern.from_dict(data, source=text)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..longctx.head_pattern import config_fingerprint
+from ..specs import read_shipped_json
 from .base import Draft, Drafter
 from .draft_model import DraftModel
 from .schedule import best_draft_length, expected_rate
@@ -302,16 +303,7 @@ def load_skip_set(name_or_path) -> SkipSet:
     if isinstance(name_or_path, SkipSet):
         return name_or_path
     text = str(name_or_path)
-    path = Path(text)
-    if not path.is_file():
-        path = SKIP_SET_DIR / f"{text}.json"
-        if "/" in text or text.endswith(".json") or not path.is_file():
-            raise ValueError(f"unknown skip set {text!r}: no such file, and not a shipped name (shipped: "
-                             f"{', '.join(available_skip_sets()) or 'none'}); {_FIX}")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read skip set {text!r}: {exc}") from exc
+    data = read_shipped_json(text, SKIP_SET_DIR, "skip set", _FIX)
     return SkipSet.from_dict(data, source=text)
 
 
