@@ -3,10 +3,10 @@ and all together, on the same prompts, through :meth:`mmaccel.Pipeline.compare_p
 
 Two settings:
 
-- **lossless**: every piece at a lossless setting (``pooling:keep_ratio=1.0``, ``full`` KV, ``prompt_lookup``): each
+- **lossless**: every piece at a lossless setting (``pooling:keep_ratio=1.0``, ``snapkv:ratio=1.0``, ``prompt_lookup``): each
   configuration's greedy output must equal the plain model's, token for token; the script records whether it does.
-- **fast**: the pieces at their working settings (default ``pooling:keep_ratio=0.25``, ``kvquant:bits=8``,
-  ``prompt_lookup``): per configuration the vision-encoder, prefill and decode seconds and the ratios to the plain
+- **fast**: the pieces at their working settings (default ``pooling:keep_ratio=0.25``, ``snapkv:ratio=0.5``
+  -- prefill-only eviction, whose cache the speculative engine can crop -- and ``prompt_lookup``): per configuration the vision-encoder, prefill and decode seconds and the ratios to the plain
   model in the same process, and whether the answer still equals the plain model's.
 
 Prompts: held-out scene images (``mmaccel.data.scenes``) with a copy-heavy instruction ("repeat this sentence"), so
@@ -59,7 +59,7 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
         for record in comparison.records:
             row = rows.setdefault(record.method, {"same_as_plain": 0, "failed": 0, "n": 0, "vision_encoder_s": [],
                                                  "prefill_s": [], "decode_s": [], "total_s": [], "new_tokens": [],
-                                                 "mean_accepted_length": []})
+                                                 "mean_accepted_length": [], "kv_cache_bytes_final": []})
             row["n"] += 1
             if not record.ok:
                 row["failed"] += 1
@@ -70,24 +70,28 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
             for key, value in (("vision_encoder_s", record.vision_encoder_s), ("prefill_s", record.prefill_s),
                                ("decode_s", record.decode_s), ("total_s", total),
                                ("new_tokens", record.new_tokens),
+                               ("kv_cache_bytes_final", record.kv_cache_bytes_final),
                                ("mean_accepted_length", record.telemetry.get("mean_accepted_length"))):
                 if value is not None:
                     row[key].append(value)
     base = rows["plain"]
     for row in rows.values():
-        for key in ("vision_encoder_s", "prefill_s", "decode_s", "total_s", "new_tokens", "mean_accepted_length"):
+        for key in ("vision_encoder_s", "prefill_s", "decode_s", "total_s", "new_tokens", "mean_accepted_length",
+                    "kv_cache_bytes_final"):
             values = row.pop(key)
             row[f"median_{key}"] = statistics.median(values) if values else None
         for key in ("prefill_s", "decode_s", "total_s"):
             a, b = base[f"median_{key}"], row[f"median_{key}"]
             row[f"speedup_{key}"] = a / b if a and b else None
+        a, b = base["median_kv_cache_bytes_final"], row["median_kv_cache_bytes_final"]
+        row["kv_bytes_vs_plain"] = b / a if a and b else None  # K/V held at the end, fraction of plain's
     return rows
 
 
 def table(rows: dict) -> str:
     """Markdown table of one setting."""
     head = ("| configuration | same as plain | vision s | prefill s | decode s | total s | prefill × | decode × "
-            "| total × | accepted len |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| total × | K/V vs plain | accepted len |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -96,6 +100,7 @@ def table(rows: dict) -> str:
         f"| {label} | {r['same_as_plain']}/{r['n'] - r['failed']} | {f(r['median_vision_encoder_s'], '.3f')} | "
         f"{f(r['median_prefill_s'], '.3f')} | {f(r['median_decode_s'], '.3f')} | {f(r['median_total_s'], '.3f')} | "
         f"{f(r['speedup_prefill_s'], '.2f')} | {f(r['speedup_decode_s'], '.2f')} | {f(r['speedup_total_s'], '.2f')} | "
+        f"{f(r['kv_bytes_vs_plain'], '.2f')} | "
         f"{f(r['median_mean_accepted_length'], '.2f')} |" for label, r in rows.items())
 
 
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--vision", default="pooling:keep_ratio=0.25")
-    p.add_argument("--kv", default="kvquant:bits=8")
+    p.add_argument("--kv", default="snapkv:ratio=0.5")
     p.add_argument("--speculative", default="prompt_lookup")
     p.add_argument("--out", default="benchmarks/results/pipeline/smol_llava.json")
     args = p.parse_args(argv)
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     model, processor = mmaccel.load(args.model)
     items = prompts(args.n)
     load_start = os.getloadavg()[0]
-    lossless = run_setting(model, processor, {"vision": "pooling:keep_ratio=1.0", "kv": "full",
+    lossless = run_setting(model, processor, {"vision": "pooling:keep_ratio=1.0", "kv": "snapkv:ratio=1.0",
                                               "speculative": args.speculative}, items,
                            max_new_tokens=args.max_new_tokens, repeats=1)
     fast = run_setting(model, processor, {"vision": args.vision, "kv": args.kv, "speculative": args.speculative},

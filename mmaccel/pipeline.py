@@ -14,11 +14,14 @@ How the pieces compose, from the outside in:
    or in-LLM pruning) are attached around the whole run, and removed after it;
 2. a timer on the vision tower's forward (hooks, removed on exit) that gives ``vision_encoder_s``;
 3. the generation itself: with a speculative method, :func:`mmaccel.speculative.speculative_generate` decodes into
-   the KV method's fresh ``make_cache(model)`` (the engine's cache; the VLM inputs go to its prefill forward only);
-   without one, ``model.generate(past_key_values=kv.make_cache(model))``.
+   the KV method's fresh cache (the engine's cache; the VLM inputs go to its prefill forward only): for a
+   prefill-only eviction method (SnapKV, PyramidKV, KNorm) ``make_cache(model, speculative=True)``, which compresses
+   the engine's prefill and then only appends, so rejected drafts crop exactly; without one,
+   ``model.generate(past_key_values=kv.make_cache(model))``.
 
-Which combinations refuse, and why, is :func:`mmaccel.eval.generation.check_composition`: evicting or re-scoring KV
-methods cannot be rolled back by speculative decoding, in-LLM pruning (FastV) scores with the prompt's last token,
+Which combinations refuse, and why, is :func:`mmaccel.eval.generation.check_composition`: KV methods that evict
+during decoding, quantise or re-score cannot be rolled back by speculative decoding, in-LLM pruning (FastV) scores
+with the prompt's last token,
 which the engine does not prefill, and transformers' own speculative paths crop to absolute lengths.
 """
 from __future__ import annotations

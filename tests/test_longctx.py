@@ -249,6 +249,31 @@ def test_snapkv_generate_compresses_once_then_appends_and_hooks_leave_on_close(s
     assert cache.hooks_attached == 0
 
 
+def test_speculative_cache_compresses_the_prefill_only_and_crops_what_came_after(sdpa):
+    prompt = _prompt(24, seed=9)
+    with build_method("snapkv:budget=8:window=2").make_cache(sdpa) as plain:
+        sdpa(prompt, past_key_values=plain, use_cache=True)
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            plain.crop(-1)
+    with build_method("snapkv:budget=8:window=2").make_cache(sdpa, speculative=True) as cache:
+        sdpa(prompt, past_key_values=cache, use_cache=True)
+        assert cache.layers[0].held == 8 and cache.get_seq_length() == 24
+        # a 5-token verification forward is appended, not compressed, and its last 3 slots crop exactly
+        sdpa(_prompt(5, seed=3), position_ids=torch.arange(24, 29)[None], past_key_values=cache, use_cache=True)
+        assert cache.layers[0].held == 13
+        cache.crop(-3)
+        for layer in cache.layers:
+            assert layer.held == 10 and layer.cumulative_length == 26
+            assert layer.positions[0, :, -3:].tolist() == [[23, 24, 25]] * HKV
+        assert kv_cache_bytes(cache) == _bytes(13)  # a crop slices a view: the storage is freed at the next append
+        with pytest.raises(ValueError, match="evicted slots among its first 24"):
+            cache.crop(-3)  # would reach into the compressed prompt
+        with pytest.raises(ValueError, match="negative count"):
+            cache.crop(2)
+    with pytest.raises(ValueError, match="h2o evicts during decoding"):
+        build_method("h2o:budget=64").make_cache(sdpa, speculative=True)
+
+
 def test_unused_snapkv_cache_detaches_on_close(sdpa):
     attn = sdpa.model.layers[0].self_attn
     with SnapKV(budget=8, window=2).make_cache(sdpa) as cache:

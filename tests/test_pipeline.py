@@ -139,6 +139,52 @@ def test_lossless_composition_equals_generate_on_micro_lm(micro):
 
 
 # ------------------------------------------------------------------------------------------------ (b) lossy runs
+def _prefill_then_greedy(model, ids, kv, n, **model_inputs):
+    """By hand: the engine's prefill (the prompt minus its last token) into ``kv``'s speculative cache, then greedy
+    one-token decoding; the new ids (stopping after EOS)."""
+    cache = build_kv(kv).make_cache(model, speculative=True)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    out, tok, pos = [], ids[:, -1:], ids.shape[1] - 1
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, **model_inputs)
+        while len(out) < n and not (out and out[-1] in eos):
+            logits = model(input_ids=tok, position_ids=torch.tensor([[pos]]), past_key_values=cache,
+                           use_cache=True).logits
+            tok = logits[:, -1:].argmax(-1)
+            out.append(int(tok))
+            pos += 1
+    assert cache.layers[0].held < ids.shape[1] - 1 + len(out)  # the prefill really was compressed
+    cache.close()
+    return out
+
+
+def test_prefill_eviction_under_speculative_decoding_equals_the_kv_method_alone(micro):
+    model, tok, draft = micro
+    ids = tok(" ".join(json.__doc__.split()), return_tensors="pt").input_ids[:, :48]
+    kv = "snapkv:budget=24:window=8"
+    ref = _prefill_then_greedy(model, ids, kv, 40)
+    for spec in ("prompt_lookup", "draft"):
+        rec = mmaccel.Pipeline(model, tok, kv=kv, speculative=spec, draft=draft).generate(ids, max_new_tokens=40)
+        assert rec.output_ids == ref, spec  # the speculative method is lossless over the compressed cache
+        assert rec.telemetry["kv"]["kept_tokens_per_layer"][0] == 24 + len(ref)  # no decode slot lost or kept twice
+        assert rec.telemetry["accepted"] and max(rec.telemetry["accepted"]) >= 1
+    plain = mmaccel.Pipeline(model, tok, kv=kv).generate(ids, max_new_tokens=40)
+    assert plain.telemetry["kept_tokens_per_layer"][0] == 24 + len(ref) - 1
+
+
+def test_pooling_snapkv_and_prompt_lookup_together_on_llava(llava1):
+    model, processor, inputs = llava1
+    kv = "snapkv:budget=24:window=8"
+    with build_vision("pooling:keep_ratio=0.25").apply(model):
+        ref = _prefill_then_greedy(model, inputs["input_ids"], kv, N, pixel_values=inputs["pixel_values"])
+    pipe = mmaccel.Pipeline(model, processor, vision="pooling:keep_ratio=0.25", kv=kv, speculative="prompt_lookup")
+    rec = pipe.generate(inputs, max_new_tokens=N)
+    assert rec.output_ids == ref and rec.visual_tokens_kept == 16
+    assert rec.telemetry["kv"]["evicted_tokens"] > 0
+    _no_hooks_left(model)
+
+
 def test_lossy_composition_records_every_piece(llava1):
     model, processor, inputs = llava1
     plain = mmaccel.Pipeline(model, processor).generate(inputs, max_new_tokens=N)
@@ -191,8 +237,8 @@ def test_compare_pieces_runs_each_piece_alone_and_all_together(llava1, tmp_path)
     ({"vision": "snapkv"}, r"pass it as kv='snapkv'"),
     ({"vision": "pooling:keep_ratio=2"}, r"keep_ratio must be in \(0, 1\]"),
     ({"vision": 3}, r"vision must be a visual-token spec"),
-    ({"kv": "snapkv:budget=64", "speculative": "prompt_lookup"},
-     r"kv='snapkv' conflicts with speculative='prompt_lookup': speculative decoding crops the cache"),
+    ({"kv": "h2o:budget=64", "speculative": "prompt_lookup"},
+     r"kv='h2o' conflicts with speculative='prompt_lookup': speculative decoding crops the cache"),
     ({"kv": "quest", "speculative": "jacobi"}, r"kv='quest' conflicts with speculative='jacobi'"),
     ({"vision": "fastv:keep_ratio=0.5", "speculative": "prompt_lookup"},
      r"vision='fastv' conflicts with speculative='prompt_lookup': fastv picks visual tokens"),

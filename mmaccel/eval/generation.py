@@ -409,12 +409,20 @@ def resolve_speculative(speculative, *, draft=None) -> tuple[Any, str | None]:
     return method, label
 
 
+def _engine_cache(kv, model):
+    """``kv``'s fresh cache for the speculative engine: the speculative variant for a prefill-only method (its hooks
+    see the prefill only, its layers crop the rejected drafts), else the method's plain cache."""
+    if getattr(kv, "supports_speculative", False):
+        return kv.make_cache(model, speculative=True)
+    return kv.make_cache(model)
+
+
 def _croppable(kv, model) -> bool:
-    """Whether ``kv``'s cache can be rolled back (every layer croppable) and stays passive (no hooks that would
-    read the engine's multi-token verification forwards as prefill chunks)."""
-    if getattr(kv, "uses_hooks", False):
+    """Whether ``kv``'s engine cache can be rolled back (every layer croppable) and stays passive after the prefill
+    (no hooks that would read the engine's multi-token verification forwards as prefill chunks)."""
+    if getattr(kv, "uses_hooks", False) and not getattr(kv, "supports_speculative", False):
         return False
-    cache = kv.make_cache(model)
+    cache = _engine_cache(kv, model)
     try:
         return all(getattr(layer, "is_croppable", True) for layer in getattr(cache, "layers", []))
     finally:
@@ -443,8 +451,10 @@ def check_composition(model, method, *, kv=None, vision=None) -> None:
     ValueError
         - ``kv`` with a ``method`` that is itself a KV method (give one);
         - ``kv`` other than ``full`` under transformers' own speculative paths (``generate`` builds their cache);
-        - a ``kv`` that evicts, quantises or hooks attention under an engine drafter: the engine crops the cache
-          to drop rejected drafts, which such a cache cannot undo;
+        - a ``kv`` that evicts during decoding, quantises or hooks attention under an engine drafter: the engine
+          crops the cache to drop rejected drafts, which such a cache cannot undo. Prefill-only eviction (SnapKV,
+          PyramidKV, KNorm: ``supports_speculative``) composes: its cache compresses the engine's prefill (the
+          prompt minus its last token) and then only appends;
         - an in-LLM visual-token method (FastV) with any speculative method: it picks tokens with the attention of
           the prompt's last token at the prefill forward, which the engine verifies later instead;
         - any visual-token method with transformers' peers: their rollback crops to absolute sequence lengths,
@@ -491,7 +501,8 @@ def check_composition(model, method, *, kv=None, vision=None) -> None:
         raise ValueError(
             f"kv={kv_name!r} conflicts with speculative={name!r}: speculative decoding crops the cache after each "
             f"step to drop rejected draft tokens, and {kv_name} evicts, quantises or re-scores the cache in ways a "
-            f"crop cannot undo (its cache is not croppable); use kv='full' with speculative decoding, or "
+            f"crop cannot undo (its cache is not croppable); use kv='full' or a prefill-only method (snapkv, "
+            f"pyramidkv, knorm) with speculative decoding, or "
             f"speculative=None with {kv_name}")
 
 
@@ -666,7 +677,7 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
     the new ids."""
     device = input_ids.device
     extra: dict = {"model_inputs": model_inputs} if model_inputs else {}
-    cache = kv.make_cache(model) if kv is not None else None
+    cache = _engine_cache(kv, model) if kv is not None else None
     if cache is not None:
         extra["cache"] = cache
     try:

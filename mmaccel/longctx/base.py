@@ -301,7 +301,9 @@ class EvictingLayer(DynamicLayer):
     -----
     :meth:`update` appends the new K/V and returns them; evictions happen afterwards (from the method's hook, after
     the layer's attention ran), so the tokens of the current forward attend to everything held before it plus their
-    own chunk. Evictions cannot be undone, so ``crop`` (assisted decoding) raises.
+    own chunk. Evictions cannot be undone, so ``crop`` (assisted decoding) raises, except on a layer of a
+    speculative cache (``KVMethod.make_cache(model, speculative=True)``), which sets ``is_croppable`` and may drop
+    slots appended after its last eviction (the rejected draft tokens of speculative decoding).
     """
 
     is_croppable = False
@@ -314,6 +316,7 @@ class EvictingLayer(DynamicLayer):
         self._fills: dict[str, tuple[float, torch.dtype]] = {}
         self.target: int | None = None
         self.prefill_length = 0
+        self.evicted_length = 0  # tokens seen at the last keep(): slots appended later can be cropped exactly
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -368,6 +371,7 @@ class EvictingLayer(DynamicLayer):
         self.positions = self.positions.gather(2, indices)
         for name, state in self.slot_state.items():
             self.slot_state[name] = state.gather(2, indices)
+        self.evicted_length = self.cumulative_length
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (not the number held), so default position ids stay true after eviction."""
@@ -384,12 +388,40 @@ class EvictingLayer(DynamicLayer):
         self.slot_state.clear()
         self.target = None
         self.prefill_length = 0
+        self.evicted_length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            f"{type(self).__name__} evicts tokens and cannot be cropped (e.g. by assisted/speculative decoding); "
-            "use the 'full' KV-cache method there"
-        )
+        """Remove the last ``-tokens_to_remove`` tokens seen (transformers 5's negative count).
+
+        Only on a croppable layer (a speculative cache), and only tokens appended after the last eviction: those
+        are the newest held slots of every row and KV head, so dropping them is exact.
+
+        Raises
+        ------
+        ValueError
+            On a layer that is not croppable (an evicting cache outside speculative decoding), for a positive count,
+            or when the crop would reach tokens seen before the last eviction.
+        """
+        if not self.is_croppable:
+            raise ValueError(
+                f"{type(self).__name__} evicts tokens and cannot be cropped (e.g. by assisted/speculative decoding); "
+                "use the 'full' KV-cache method there, or a prefill-only method's make_cache(model, speculative=True)"
+            )
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        n = -int(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
+            return
+        if self.cumulative_length - n < self.evicted_length:
+            raise ValueError(
+                f"cannot crop {n} tokens: the cache has seen {self.cumulative_length} and evicted slots among its first "
+                f"{self.evicted_length}, which a crop cannot restore"
+            )
+        self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+        self.positions = self.positions[..., :-n]
+        for name, state in self.slot_state.items():
+            self.slot_state[name] = state[..., :-n]
+        self.cumulative_length -= n
 
     def _per_row(self, fn) -> None:
         if self.positions is not None and self.positions.numel():
@@ -494,6 +526,10 @@ class KVMethodCache(DynamicCache):
     method : KVMethod
         The method: ``method.make_layer(layer_idx)`` builds each full-attention layer, and, if ``method.uses_hooks``,
         ``method.on_step(step)`` is called after every attention forward of a layer with this cache.
+    speculative : bool
+        A cache for draft-and-verify decoding (only methods with ``supports_speculative``): the method sees each
+        layer's first forward (the prefill) only; later forwards (verifications of drafts) just append, and the
+        layers are croppable, so the engine can drop rejected draft tokens exactly.
 
     Attributes
     ----------
@@ -508,12 +544,15 @@ class KVMethodCache(DynamicCache):
     is garbage-collected (they hold only a weak reference to it). A hook ignores forwards with another cache.
     """
 
-    def __init__(self, model: torch.nn.Module, method: "KVMethod"):
+    def __init__(self, model: torch.nn.Module, method: "KVMethod", *, speculative: bool = False):
         super().__init__(config=model.config)
         for i, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
                 self.layers[i] = method.make_layer(i)
+                self.layers[i].is_croppable = speculative
         self.method = method
+        self.speculative = speculative
+        self._prefilled: set[int] = set()
         self.warnings: list[str] = []
         self._hooks: list = []
         if method.uses_hooks:
@@ -564,6 +603,10 @@ class KVMethodCache(DynamicCache):
 
     def _step(self, module, args, kwargs) -> None:
         layer = self.layers[module.layer_idx]
+        if self.speculative:
+            if module.layer_idx in self._prefilled:
+                return  # a verification forward: appended only, so the engine can crop its rejected drafts
+            self._prefilled.add(module.layer_idx)
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         q = int(hidden.shape[1])
         phase = "prefill" if q > 1 or layer.cumulative_length == q else "decode"
@@ -627,6 +670,9 @@ class KVMethod:
         Whether the method is exact on left-padded batches; otherwise a padded prefill raises ``ValueError``.
     supports_chunking : bool (class)
         Whether :class:`~mmaccel.longctx.chunked.Chunked` may wrap it (``chunking_error`` says why not).
+    supports_speculative : bool (class)
+        Whether the method evicts at prefill only, so that ``make_cache(model, speculative=True)`` gives a cache the
+        speculative engine can crop (SnapKV, PyramidKV, KNorm).
     """
 
     method_name: ClassVar[str] = "kv-method"
@@ -634,6 +680,7 @@ class KVMethod:
     padding_safe: ClassVar[bool] = False
     supports_chunking: ClassVar[bool] = True
     chunking_error: ClassVar[str] = ""
+    supports_speculative: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -650,9 +697,16 @@ class KVMethod:
         """A fresh cache layer for full-attention layer ``layer_idx``."""
         return EvictingLayer()
 
-    def make_cache(self, model: torch.nn.Module) -> Cache:
-        """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
-        return KVMethodCache(model, self)
+    def make_cache(self, model: torch.nn.Module, *, speculative: bool = False) -> Cache:
+        """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done).
+
+        ``speculative=True``: a cache for the speculative engine (see :class:`KVMethodCache`); raises ``ValueError``
+        for a method without ``supports_speculative``.
+        """
+        if speculative and not self.supports_speculative:
+            raise ValueError(f"{self.name} evicts during decoding, which the speculative engine's rollback cannot "
+                             "undo; use a prefill-only method (snapkv, pyramidkv, knorm) or 'full'")
+        return KVMethodCache(model, self, speculative=speculative)
 
     def on_step(self, step: LayerStep) -> None:
         """Called per layer after every attention forward with this method's cache. Default: nothing."""

@@ -30,6 +30,7 @@ class KNorm(KVScorer):
     """
 
     method_name = "knorm"
+    supports_speculative = True  # prefill-only: the speculative engine can crop its decode slots
 
     def score(self, step: LayerStep) -> torch.Tensor:
         return -step.keys.float().norm(dim=-1)

@@ -115,6 +115,7 @@ class SnapKV(KVScorer):
     pooling: str = "avg"
 
     method_name = "snapkv"
+    supports_speculative = True  # prefill-only: the speculative engine can crop its decode slots
 
     def __post_init__(self):
         super().__post_init__()
