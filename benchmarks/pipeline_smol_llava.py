@@ -59,6 +59,7 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
         for record in comparison.records:
             row = rows.setdefault(record.method, {"same_as_plain": 0, "failed": 0, "n": 0, "vision_encoder_s": [],
                                                  "prefill_s": [], "decode_s": [], "total_s": [], "new_tokens": [],
+                                                 "decode_s_per_token": [],
                                                  "mean_accepted_length": [], "kv_cache_bytes_final": []})
             row["n"] += 1
             if not record.ok:
@@ -69,6 +70,7 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
             total = (record.ttft_s or 0.0) + (record.decode_s or 0.0)  # TTFT includes the tower and the prefill
             for key, value in (("vision_encoder_s", record.vision_encoder_s), ("prefill_s", record.prefill_s),
                                ("decode_s", record.decode_s), ("total_s", total),
+                               ("decode_s_per_token", record.decode_s / max(record.new_tokens, 1)),
                                ("new_tokens", record.new_tokens),
                                ("kv_cache_bytes_final", record.kv_cache_bytes_final),
                                ("mean_accepted_length", record.telemetry.get("mean_accepted_length"))):
@@ -77,10 +79,10 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
     base = rows["plain"]
     for row in rows.values():
         for key in ("vision_encoder_s", "prefill_s", "decode_s", "total_s", "new_tokens", "mean_accepted_length",
-                    "kv_cache_bytes_final"):
+                    "kv_cache_bytes_final", "decode_s_per_token"):
             values = row.pop(key)
             row[f"median_{key}"] = statistics.median(values) if values else None
-        for key in ("prefill_s", "decode_s", "total_s"):
+        for key in ("prefill_s", "decode_s", "total_s", "decode_s_per_token"):
             a, b = base[f"median_{key}"], row[f"median_{key}"]
             row[f"speedup_{key}"] = a / b if a and b else None
         a, b = base["median_kv_cache_bytes_final"], row["median_kv_cache_bytes_final"]
@@ -90,16 +92,19 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
 
 def table(rows: dict) -> str:
     """Markdown table of one setting."""
-    head = ("| configuration | same as plain | vision s | prefill s | decode s | total s | prefill × | decode × "
-            "| total × | K/V vs plain | accepted len |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| configuration | same as plain | new tokens | vision s | prefill s | decode s | total s | prefill × "
+            "| decode × per token | total × | K/V vs plain | accepted len |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     return head + "\n".join(
-        f"| {label} | {r['same_as_plain']}/{r['n'] - r['failed']} | {f(r['median_vision_encoder_s'], '.3f')} | "
+        f"| {label} | {r['same_as_plain']}/{r['n'] - r['failed']} | {f(r['median_new_tokens'], '.0f')} | "
+        f"{f(r['median_vision_encoder_s'], '.3f')} | "
         f"{f(r['median_prefill_s'], '.3f')} | {f(r['median_decode_s'], '.3f')} | {f(r['median_total_s'], '.3f')} | "
-        f"{f(r['speedup_prefill_s'], '.2f')} | {f(r['speedup_decode_s'], '.2f')} | {f(r['speedup_total_s'], '.2f')} | "
+        f"{f(r['speedup_prefill_s'], '.2f')} | {f(r['speedup_decode_s_per_token'], '.2f')} | "
+        f"{f(r['speedup_total_s'], '.2f')} | "
         f"{f(r['kv_bytes_vs_plain'], '.2f')} | "
         f"{f(r['median_mean_accepted_length'], '.2f')} |" for label, r in rows.items())
 
