@@ -234,7 +234,7 @@ class AppContext:
     niah_length : int
         Default length of a generated NIAH document, tokens.
     vision_model : str
-        Model preselected in the Image & video tab (a vision encoder).
+        Model preselected in the Vision encoder tab (a vision encoder).
     vlm_model : str
         Model preselected in the Vision sweep tab (a vision-language model).
     """

@@ -1,4 +1,4 @@
-"""The token overlay of the Image & video tab: which patches each output token holds, drawn over the encoder's input.
+"""The token overlay of the Vision encoder and Image & video QA tabs: which patches each output token holds, drawn over the encoder's input.
 
 Merged patches share one colour per token (outlined where a group ends), pruned patches are greyed out, patches kept
 alone are left untouched, so an unmodified encoder's overlay is its input pixel for pixel.

@@ -1,4 +1,4 @@
-"""Images in, visual tokens out: the inputs and the runner of the Image & video tab.
+"""Images in, visual tokens out: the inputs and the runner of the Vision encoder tab.
 
 - :func:`sample_image` / :func:`vision_input`: the image a request runs on (an upload, a scikit-image photo, a
   generated scene), size-checked and decoded by :func:`mmaccel.data.media.load_image`;
@@ -21,7 +21,7 @@ from . import forms
 from .common import InputError, checked_upload
 
 NO_METHOD = "none"
-"""The Image & video tab's baseline: the unmodified encoder."""
+"""The Vision encoder tab's baseline: the unmodified encoder."""
 SAMPLE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry")
 """scikit-image photos that ship inside the package (``skimage.data``; no download)."""
 SCENE_SAMPLE = "generated scene (seed)"
@@ -29,7 +29,7 @@ VISION_SAMPLES = [*SAMPLE_PHOTOS, SCENE_SAMPLE]
 
 
 def vision_model_choices() -> list[str]:
-    """Zoo names of the models the Image & video tab lists: the fetched models that are not text-only causal LMs
+    """Zoo names of the models the Vision encoder tab lists: the fetched models that are not text-only causal LMs
     (vision encoders such as ``dinov2-small``; vision-language models once the zoo has one)."""
     from mmaccel.models import FETCHED
 
@@ -104,7 +104,7 @@ def vision_input(upload, sample: str, seed: int, max_bytes: int):
 
 @dataclass
 class VisionRun:
-    """One configuration of the Image & video tab measured on one image.
+    """One configuration of the Vision encoder tab measured on one image.
 
     Attributes
     ----------
@@ -282,7 +282,7 @@ def _sync(tensor) -> None:
 
 
 VISION_RUNNERS: tuple[type, ...] = (EncoderRunner,)
-"""Runner classes of the Image & video tab, tried in order (see :class:`EncoderRunner`)."""
+"""Runner classes of the Vision encoder tab, tried in order (see :class:`EncoderRunner`)."""
 
 
 def vision_runner(model, processor):
@@ -300,8 +300,7 @@ def vision_runner(model, processor):
 
     name = type(model).__name__
     if not isinstance(VLMParts.find(model), str):
-        raise InputError(f"{name} is a vision-language model; this tab runs vision encoders so far (columns with an "
-                         "answer from a VLM come with the smol-llava zoo model): pick a vision encoder such as "
-                         "dinov2-small")
+        raise InputError(f"{name} is a vision-language model; this tab runs vision encoders (answers from a VLM "
+                         "are in the Image & video QA tab): pick a vision encoder such as dinov2-small")
     raise InputError(f"{name} takes no images: pick a vision encoder (dinov2-small, or a local Dinov2, CLIP or "
                      "SigLIP vision checkpoint)")

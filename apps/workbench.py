@@ -98,11 +98,11 @@ def build_app(default_model: str = "smollm2-135m", *, vision_model: str = "dinov
     default_model : str
         Model preselected in the picker of the text tabs (tests use ``"micro-lm"``).
     vision_model : str
-        Model preselected in the Image & video tab: a zoo vision encoder or a local checkpoint directory (tests use a
+        Model preselected in the Vision encoder tab: a zoo vision encoder or a local checkpoint directory (tests use a
         tiny random Dinov2 saved to a temp folder).
     vlm_model : str
-        Model preselected in the Vision sweep tab: a vision-language model (``smol-llava``, or a local LLaVA-style
-        checkpoint directory; tests use a tiny random one).
+        Model preselected in the Image & video QA and Vision sweep tabs: a vision-language model (``smol-llava``, or
+        a local LLaVA-style checkpoint directory; tests use a tiny random one).
     device : str
         Where models load (``"auto"``, ``"cpu"``, ``"cuda"``).
     max_upload_mb : float
@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
     p.add_argument("--model", default="smollm2-135m", help="model preselected in the picker of the text tabs")
     p.add_argument("--vision-model", default="dinov2-small",
-                   help="model preselected in the Image & video tab (a zoo vision encoder or a local checkpoint)")
+                   help="model preselected in the Vision encoder tab (a zoo vision encoder or a local checkpoint)")
     p.add_argument("--vlm-model", default="smol-llava",
-                   help="model preselected in the Vision sweep tab (a vision-language model or a local checkpoint)")
+                   help="model preselected in the Image & video QA and Vision sweep tabs (a vision-language model or "
+                        "a local checkpoint)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-upload-mb", type=float, default=2.0, help="size limit of an uploaded document or image, MiB")

@@ -301,7 +301,8 @@ def test_out_of_memory_is_an_error_in_its_column(app, monkeypatch):
     assert_numeric(ok)
 
 
-ENDPOINTS = ("longctx", "niah_document", "generation", "niah_eval", "vision_sweep", "spec_bench", "kernels", "vision")
+ENDPOINTS = ("longctx", "niah_document", "generation", "vlm_qa", "ar_generation", "niah_eval", "vision_sweep",
+             "spec_bench", "kernels", "vision")
 
 
 def test_measured_endpoints_share_one_queue_slot(app):

@@ -1,7 +1,9 @@
 """The workbench in a real browser: Debian's chromium driven by Playwright (never `playwright install`).
 
-Loads the page, runs a two-column comparison in every tab -- Long context, Generation, Evaluations, Vision sweep (on a
-tiny random LLaVA), Spec bench, Kernels and Image & video (on a tiny random Dinov2 at 224 px, 16 x 16 patches) --,
+Loads the page, runs a two-column comparison in every tab -- Long context, Generation, Image & video QA (a tiny
+random LLaVA, one column composed with SnapKV and prompt lookup), Image & video generation (micro-ar), Evaluations,
+Vision sweep (on a tiny random LLaVA), Spec bench, Kernels and Vision encoder (on a tiny random Dinov2 at 224 px,
+16 x 16 patches) --,
 checks that outputs, metrics tables, accepted-token colouring, overlays, tables and plots appear, and saves screenshots
 under runs/screenshots/.
 """
@@ -114,6 +116,40 @@ def test_generation_two_columns_coloured(page):
     page.screenshot(path=str(SHOTS / "generation.png"), full_page=True)
 
 
+def test_image_qa_two_columns_composed(page):
+    page.get_by_role("tab", name="Image & video QA", exact=True).click()
+    fill(page, "vqa-max-new", "6")
+    fill(page, "vqa-repeats", "1")
+    # column 2: pooling (its default) with a KV policy and speculative decoding composed on it
+    fill(page, "vqa-col1-kv", "snapkv:ratio=0.5")
+    fill(page, "vqa-col1-speculative", "prompt_lookup")
+    page.locator("#vqa-run").click()
+    expect(page.locator("#vqa-status")).to_contain_text("one after another")
+    expect_image_drawn(page, "vqa-input")
+    for i in range(2):
+        expect(page.locator(f"#vqa-col{i}-output .mm-output")).to_be_visible()
+        expect_image_drawn(page, f"vqa-col{i}-image")  # the kept / merged visual tokens over the image
+        table = page.locator(f"#vqa-col{i}-metrics")
+        expect(table).to_contain_text("visual tokens kept")
+        assert re.search(r"\d+\.\d+", table.inner_text())
+    expect(page.locator("#vqa-plot img, #vqa-plot svg, #vqa-plot canvas").first).to_be_visible()
+    page.screenshot(path=str(SHOTS / "vlm_qa.png"), full_page=True)
+
+
+def test_image_generation_two_columns(page):
+    page.get_by_role("tab", name="Image & video generation", exact=True).click()
+    fill(page, "argen-repeats", "1")
+    page.locator("#argen-run").click()
+    expect(page.locator("#argen-status")).to_contain_text("one after another")
+    for i in range(2):
+        expect_image_drawn(page, f"argen-col{i}-image")  # the generated picture
+        table = page.locator(f"#argen-col{i}-metrics")
+        expect(table).to_contain_text("target forwards")
+        assert re.search(r"\d+\.\d+", table.inner_text())
+    expect(page.locator("#argen-plot img, #argen-plot svg, #argen-plot canvas").first).to_be_visible()
+    page.screenshot(path=str(SHOTS / "ar_generation.png"), full_page=True)
+
+
 def test_evaluations_two_columns(page):
     page.get_by_role("tab", name="Evaluations").click()
     fill(page, "ev-lengths", "256")
@@ -186,8 +222,8 @@ def expect_image_drawn(page, elem_id: str) -> None:
 
 
 def test_image_two_columns_with_the_token_overlay(page):
-    page.get_by_role("tab", name="Image & video").click()
-    expect(page.locator("#vis-about")).to_contain_text("Video: not yet")
+    page.get_by_role("tab", name="Vision encoder", exact=True).click()
+    expect(page.locator("#vis-about")).to_contain_text("Image & video QA tab")
     # the generated ToMe form starts at keep_ratio 0.5; setting it recomposes the spec
     fill(page, "vis-col1-tome-keep_ratio", "0.25")
     expect(page.locator("#vis-col1-spec textarea, #vis-col1-spec input").first).to_have_value("tome:keep_ratio=0.25")

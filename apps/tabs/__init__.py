@@ -11,8 +11,11 @@ and ``build(model)`` lays it out inside the current ``gr.Tab`` and wires its end
 | Vision sweep | :mod:`apps.tabs.vision_sweep` | ``/vision_sweep`` |
 | Spec bench | :mod:`apps.tabs.specbench` | ``/spec_bench`` |
 | Kernels | :mod:`apps.tabs.kernels` | ``/kernels`` |
-| Image & video | :mod:`apps.tabs.vision` | ``/vision`` |
+| Image & video QA | :mod:`apps.tabs.vlm_qa` | ``/vlm_qa`` |
+| Image & video generation | :mod:`apps.tabs.ar_generation` | ``/ar_generation`` |
+| Vision encoder | :mod:`apps.tabs.vision` | ``/vision`` |
 """
+from .ar_generation import ARGenerationTab
 from .evaluations import EvaluationsTab
 from .generation import GenerationTab
 from .kernels import KernelsTab
@@ -20,9 +23,11 @@ from .longctx import LongContextTab
 from .specbench import SpecBenchTab
 from .vision import VisionTab
 from .vision_sweep import VisionSweepTab
+from .vlm_qa import VLMQATab
 
-TABS = (LongContextTab, GenerationTab, EvaluationsTab, VisionSweepTab, SpecBenchTab, KernelsTab, VisionTab)
+TABS = (LongContextTab, GenerationTab, VLMQATab, ARGenerationTab, EvaluationsTab, VisionSweepTab, SpecBenchTab,
+        KernelsTab, VisionTab)
 """Tab classes in display order."""
 
-__all__ = ["TABS", "EvaluationsTab", "GenerationTab", "KernelsTab", "LongContextTab", "SpecBenchTab", "VisionSweepTab",
-           "VisionTab"]
+__all__ = ["TABS", "ARGenerationTab", "EvaluationsTab", "GenerationTab", "KernelsTab", "LongContextTab", "SpecBenchTab",
+           "VLMQATab", "VisionSweepTab", "VisionTab"]

@@ -313,7 +313,7 @@ def measured_run(model, tokenizer, ids: list[int], spec: str, method, kind: str,
     Raises
     ------
     RuntimeError
-        When a run failed (the record's error, e.g. ``OutOfMemoryError: ...``).
+        When a run failed (the message holds the record's error, e.g. ``OutOfMemoryError: ...``).
     ValueError
         Configuration errors from :func:`~mmaccel.eval.generate_measured`.
     """
@@ -326,7 +326,7 @@ def measured_run(model, tokenizer, ids: list[int], spec: str, method, kind: str,
     rec = generate_measured(model, tokenizer, ids, method=method, label=AUTOREGRESSIVE if method is None else spec,
                             max_new_tokens=LAYOUT[kind][1], repeats=repeats, warmup=1, temperature=temperature)
     if not rec.ok:
-        raise RuntimeError(rec.error)
+        raise RuntimeError(f"the measured run failed: {rec.error}")
     tel = rec.telemetry or {}
     if method is None:
         rec.method_name = AUTOREGRESSIVE
@@ -365,7 +365,7 @@ def ar_rows(run: ARRun, target: np.ndarray | None, reference: ARRun | None, gree
     ]
 
 
-def run_html(run: ARRun, kind: str, window: int | None, strip: str = "") -> str:
+def run_html(run: ARRun, window: int | None, strip: str = "") -> str:
     """A column's text: the method, whether it is lossless, its window, and a clip's frames side by side."""
     what = ("one target forward per token (model.generate)" if run.record.method_name == AUTOREGRESSIVE else
             f"{run.mean_accepted_length:.2f} tokens per verification forward, window {window}; "
@@ -518,8 +518,8 @@ class ARGenerationTab(Tab):
             runs[i] = run
             pictures[i] = str(save_column_picture(run.picture, folder, f"col{i + 1}", kind))
             strip = frame_strip_uri(run.picture, folder, f"col{i + 1}") if kind == "video" else ""
-            results[i] = ColumnResult(html=run_html(run, kind, None if method is None else method.num_draft_tokens,
-                                                    strip), record=run)
+            results[i] = ColumnResult(html=run_html(run, None if method is None else method.num_draft_tokens, strip),
+                                      record=run)
         reference = next((r for r in runs if r is not None and r.record.method_name == AUTOREGRESSIVE), None)
         greedy = temperature == 0
         for i, run in enumerate(runs):

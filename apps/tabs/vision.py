@@ -1,4 +1,4 @@
-"""The Image & video tab (endpoint ``/vision``): one image through a vision encoder (``dinov2-small`` by default)
+"""The Vision encoder tab (endpoint ``/vision``): one image through a vision encoder (``dinov2-small`` by default)
 under each column's :data:`mmaccel.vision_tokens.METHODS` method; per column the merged / pruned patches overlaid on
 the image (:mod:`apps.overlay`), tokens kept, encoder seconds, throughput ratio and cosines to the unmodified encoder.
 """
@@ -35,15 +35,15 @@ from ..vision_encoder import (
 )
 
 VISION_RATIO_METRICS = ("vision encoder (s)", "images/s", "visual tokens kept")
-"""Metrics of the Image & video tab's ratio plot."""
+"""Metrics of the Vision encoder tab's ratio plot."""
 VISION_DEFAULTS = [(NO_METHOD, None), ("tome", {"keep_ratio": 0.5}), ("tome", {"keep_ratio": 0.25}), ("tome", {"r": 8})]
-"""The method and starting field values of each column of the Image & video tab."""
+"""The method and starting field values of each column of the Vision encoder tab."""
 STAGE_WHERE = {"vision": "inside the ViT tower", "pre-llm": "between a VLM's projector and its language model",
                "in-llm": "inside a VLM's language model"}
 
 
 def vision_rows(run: VisionRun, reference: VisionRun, first: VisionRun | None) -> list[list]:
-    """Metric rows ``[name, number]`` of one column of the Image & video tab.
+    """Metric rows ``[name, number]`` of one column of the Vision encoder tab.
 
     Tokens (in and kept), the median encoder seconds and images/s, the throughput ratio to ``first`` (column 1's
     run; ``None`` when it failed), and the cosine similarity of the pooled embedding and of the patch mean to
@@ -87,7 +87,7 @@ def vision_html(spec: str, run: VisionRun) -> str:
 
 
 def vision_intro() -> str:
-    """The Image & video tab's text: how a column runs, what the overlay shows, where each registered method of
+    """The Vision encoder tab's text: how a column runs, what the overlay shows, where each registered method of
     :data:`mmaccel.vision_tokens.METHODS` applies (by its ``stage``), and that video is not offered yet."""
     from mmaccel.vision_tokens import METHODS
 
@@ -103,18 +103,19 @@ def vision_intro() -> str:
             "unmodified encoder. In the overlay, the patches merged into one output token share a colour (one colour "
             "per token, outlined), pruned patches are grey, and patches kept alone are unchanged. Cosines compare "
             "with the unmodified encoder on the same input.\n\nWhere the methods work:\n\n" + stages + "\n\n"
-            "**Video: not yet.** `temporal-tome` merges tokens across the frames of a video-LLM, so video input comes "
-            "with vision-language models (`smol-llava`); this tab takes images.")
+            "**Video and answers:** `temporal-tome` merges tokens across the frames of a video-LLM; videos, and "
+            "questions answered by a vision-language model (`smol-llava`), are in the Image & video QA tab. This tab "
+            "takes images.")
 
 
 class VisionTab(Tab):
-    """Handler and layout of the Image & video tab."""
+    """Handler and layout of the Vision encoder tab."""
 
-    title, key = "Image & video", "vision"
+    title, key = "Vision encoder", "vision"
 
     def vision(self, model_name, upload, sample, scene_seed, repeats, n_columns, spec1, spec2, spec3, spec4,
                progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
-        """Image & video: the same image through the encoder under each column's visual-token method, one column
+        """Vision encoder: the same image through the encoder under each column's visual-token method, one column
         after another; per column the kept/merged-token overlay and the metrics (:func:`vision_rows`).
 
         Parameters
