@@ -86,7 +86,7 @@ def expect_column(page, tab: str, i: int) -> None:
 
 
 def test_long_context_two_columns(page):
-    page.get_by_role("tab", name="Long context").click()
+    page.get_by_role("tab", name="Long context", exact=True).click()
     expect(page.locator("#fair-timing")).to_contain_text("concurrency 1")
     page.locator("#lc-gen-doc").click()
     expect(page.locator("#lc-expected input, #lc-expected textarea").first).to_have_value(re.compile(r"^\d{5}$"))
@@ -104,7 +104,7 @@ def test_long_context_two_columns(page):
 
 
 def test_generation_two_columns_coloured(page):
-    page.get_by_role("tab", name="Generation").click()
+    page.get_by_role("tab", name="Generation", exact=True).click()
     fill(page, "gen-max-new", "24")
     page.locator("#gen-run").click()
     expect(page.locator("#gen-status")).to_contain_text("one after another")
@@ -151,7 +151,7 @@ def test_image_generation_two_columns(page):
 
 
 def test_evaluations_two_columns(page):
-    page.get_by_role("tab", name="Evaluations").click()
+    page.get_by_role("tab", name="Evaluations", exact=True).click()
     fill(page, "ev-lengths", "256")
     fill(page, "ev-depths", "0 1")
     fill(page, "ev-max-new", "6")
@@ -165,7 +165,7 @@ def test_evaluations_two_columns(page):
 
 
 def test_vision_sweep_two_columns(page):
-    page.get_by_role("tab", name="Vision sweep").click()
+    page.get_by_role("tab", name="Vision sweep", exact=True).click()
     fill(page, "vs-budgets", "0.5 0.25")
     fill(page, "vs-questions", "1")
     page.locator("#vs-run").click()
@@ -181,7 +181,7 @@ def test_vision_sweep_two_columns(page):
 
 
 def test_spec_bench_two_columns(page):
-    page.get_by_role("tab", name="Spec bench").click()
+    page.get_by_role("tab", name="Spec bench", exact=True).click()
     page.locator("#sb-sets").get_by_label("free").check()  # free prompts: the copy set first parses the stdlib
     page.locator("#sb-sets").get_by_label("copy").uncheck()
     fill(page, "sb-max-new", "24")
@@ -201,7 +201,7 @@ def test_spec_bench_two_columns(page):
 
 
 def test_kernels_two_columns(page):
-    page.get_by_role("tab", name="Kernels").click()
+    page.get_by_role("tab", name="Kernels", exact=True).click()
     fill(page, "kb-lengths", "128")
     fill(page, "kb-cache", "256")
     fill(page, "kb-budgets", "32")
