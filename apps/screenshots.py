@@ -61,7 +61,7 @@ def longctx(page, expect, out: Path) -> Path:
     page.get_by_role("tab", name="Long context", exact=True).click()
     page.locator("#lc-gen-doc").click()
     expect(page.locator("#lc-expected input, #lc-expected textarea").first).to_have_value(re.compile(r"^\d{5}$"))
-    _fill(page, "lc-max-new", "12")
+    _fill(page, "lc-max-new", "20")
     page.locator("#lc-run").click()
     expect(page.locator("#lc-status")).to_contain_text("one after another")
     for i in range(2):
@@ -77,6 +77,8 @@ def vlm_qa(page, expect, out: Path, columns: int = 3) -> Path:
     """Image & video QA tab: a generated scene, ``columns`` composed configurations; returns the PNG's path."""
     page.get_by_role("tab", name="Image & video QA", exact=True).click()
     page.locator("#vqa-ncols").get_by_label(str(columns)).check()
+    if columns >= 3:  # the composed column: pooling + SnapKV + prompt lookup (the tab's default, at a milder KV ratio)
+        _fill(page, "vqa-col2-kv", "snapkv:ratio=0.75")
     page.locator("#vqa-run").click()
     expect(page.locator("#vqa-status")).to_contain_text("one after another")
     for i in range(columns):
@@ -138,7 +140,11 @@ def main(argv=None) -> int:
             for name in args.tabs:
                 t0 = time.perf_counter()
                 kwargs = {"prompt": args.prompt} if name == "generation" else {}
-                path = TABS[name](page, expect, args.out, **kwargs)
+                try:
+                    path = TABS[name](page, expect, args.out, **kwargs)
+                except Exception:
+                    page.screenshot(path=str(args.out / f"{name}_failed.png"), full_page=True)
+                    raise
                 print(f"{name}: {path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
             browser.close()
     finally:

@@ -260,8 +260,9 @@ def answer_html(tokenizer, rec, speculative: bool, expected: str | None) -> str:
         ok = rec.extra.get("correct")
         note = (f'<span style="color:#126b2e">✓ answer {html.escape(expected)} (first word)</span>' if ok else
                 f'<span style="color:#8a1020">✗ expected {html.escape(expected)}</span>')
-    if not pieces:
-        return coloured_html([], [], note or "<i>(no tokens generated)</i>")
+    if not "".join(pieces).strip():  # nothing, or only special tokens (an immediate end of turn)
+        empty = f"(empty answer: {len(rec.output_ids)} token(s), none of them text)"
+        return coloured_html([empty], [False], note)
     return coloured_html(pieces, accepted_mask(len(pieces), accepted), note)
 
 
