@@ -39,20 +39,26 @@ def _numeric_metrics(page, elem_id: str) -> None:
         raise RuntimeError(f"#{elem_id} shows no numbers: {text[:200]!r}")
 
 
+def _run_and_shoot(page, expect, prefix: str, columns: int, path: Path) -> Path:
+    """Press ``#{prefix}-run``, wait for the status and every column's output and numeric metrics, scroll to the
+    ratio plot and save a full-page PNG at ``path``; returns ``path``."""
+    page.locator(f"#{prefix}-run").click()
+    expect(page.locator(f"#{prefix}-status")).to_contain_text("one after another")
+    for i in range(columns):
+        expect(page.locator(f"#{prefix}-col{i}-output .mm-output")).to_be_visible()
+        _numeric_metrics(page, f"{prefix}-col{i}-metrics")
+    page.locator(f"#{prefix}-plot").scroll_into_view_if_needed()
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
 def generation(page, expect, out: Path, prompt: str) -> Path:
     """Generation tab: the autoregressive baseline and prompt lookup on ``prompt``; returns the PNG's path."""
     page.get_by_role("tab", name="Generation", exact=True).click()
     _fill(page, "gen-prompt", prompt)
     _fill(page, "gen-max-new", "48")
-    page.locator("#gen-run").click()
-    expect(page.locator("#gen-status")).to_contain_text("one after another")
-    for i in range(2):
-        expect(page.locator(f"#gen-col{i}-output .mm-output")).to_be_visible()
-        _numeric_metrics(page, f"gen-col{i}-metrics")
+    path = _run_and_shoot(page, expect, "gen", 2, out / "generation.png")
     expect(page.locator("#gen-col1-output .mm-accepted").first).to_be_visible()
-    page.locator("#gen-plot").scroll_into_view_if_needed()
-    path = out / "generation.png"
-    page.screenshot(path=str(path), full_page=True)
     return path
 
 
@@ -62,15 +68,7 @@ def longctx(page, expect, out: Path) -> Path:
     page.locator("#lc-gen-doc").click()
     expect(page.locator("#lc-expected input, #lc-expected textarea").first).to_have_value(re.compile(r"^\d{5}$"))
     _fill(page, "lc-max-new", "20")
-    page.locator("#lc-run").click()
-    expect(page.locator("#lc-status")).to_contain_text("one after another")
-    for i in range(2):
-        expect(page.locator(f"#lc-col{i}-output .mm-output")).to_be_visible()
-        _numeric_metrics(page, f"lc-col{i}-metrics")
-    page.locator("#lc-plot").scroll_into_view_if_needed()
-    path = out / "longctx.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
+    return _run_and_shoot(page, expect, "lc", 2, out / "longctx.png")
 
 
 def vlm_qa(page, expect, out: Path, columns: int = 3) -> Path:
@@ -79,15 +77,7 @@ def vlm_qa(page, expect, out: Path, columns: int = 3) -> Path:
     page.locator("#vqa-ncols").get_by_label(str(columns)).check()
     if columns >= 3:  # the composed column: pooling + SnapKV + prompt lookup (the tab's default, at a milder KV ratio)
         _fill(page, "vqa-col2-kv", "snapkv:ratio=0.75")
-    page.locator("#vqa-run").click()
-    expect(page.locator("#vqa-status")).to_contain_text("one after another")
-    for i in range(columns):
-        expect(page.locator(f"#vqa-col{i}-output .mm-output")).to_be_visible()
-        _numeric_metrics(page, f"vqa-col{i}-metrics")
-    page.locator("#vqa-plot").scroll_into_view_if_needed()
-    path = out / "vlm_qa.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
+    return _run_and_shoot(page, expect, "vqa", columns, out / "vlm_qa.png")
 
 
 TABS = {"generation": generation, "longctx": longctx, "vlm_qa": vlm_qa}
