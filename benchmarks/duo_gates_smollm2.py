@@ -15,6 +15,8 @@ results README).
 Usage::
 
     python benchmarks/duo_gates_smollm2.py --threads 2 --steps 40 --out benchmarks/results/longctx/duo_gates_smollm2.json
+    python benchmarks/duo_gates_smollm2.py --length 4096 --steps 24 --pattern-name smollm2-135m-gates-4k \
+        --out benchmarks/results/longctx/duo_gates_smollm2_4k.json
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--out", default="benchmarks/results/longctx/duo_gates_smollm2.json")
+    p.add_argument("--pattern-name", help="name of the written pattern (default <model>-gates, the shipped one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     pattern = find_retrieval_heads_by_gates(model, tokenizer, lengths=(args.length,), steps=args.steps,
                                             fraction=args.fraction, model_name=args.model)
     wall = time.perf_counter() - t0
-    path = pattern.save(PATTERNS / f"{args.model}-gates.json")
+    path = pattern.save(PATTERNS / f"{args.pattern_name or args.model + '-gates'}.json")
     reference = load_head_pattern(args.model)
     result = {
         "model": args.model, "device": "cpu", "threads": args.threads, "steps": args.steps, "length": args.length,

@@ -80,6 +80,40 @@ def _lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
 
 
+def weighted_ce_step(model, opt, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lr: float,
+                     grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step on the weighted mean token cross-entropy (the trainers of the micro-models).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its parameters are clipped to ``grad_clip`` (global L2 norm) before the step.
+    opt : torch.optim.Optimizer
+        Every parameter group gets learning rate ``lr``.
+    logits : torch.Tensor
+        [B, T, V] float logits.
+    labels : torch.LongTensor
+        [B, T] target ids.
+    weights : torch.Tensor
+        [B, T] per-token loss weights (e.g. 1 for text, more for needle answers or event pixels).
+
+    Returns
+    -------
+    ce, loss : torch.Tensor
+        [B, T] per-token cross-entropy (still attached to the graph: read it under ``torch.no_grad``) and the scalar
+        weighted mean that was minimised.
+    """
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    loss = (ce * weights).sum() / weights.sum()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return ce, loss
+
+
 def build_tokenizer(name: str):
     """The tokenizer for zoo model ``name``: trained on the docstring prose, or reused from ``tokenizer_from``."""
     from transformers import AutoTokenizer
@@ -182,14 +216,7 @@ def train(
             ids = torch.tensor([b[0] for b in batch], device=device)
             w = torch.tensor([b[1] for b in batch], device=device)[:, 1:]
             logits = model(input_ids=ids).logits[:, :-1].float()
-            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            loss = (ce * w).sum() / w.sum()
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, recipe)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-            opt.step()
+            ce, loss = weighted_ce_step(model, opt, logits, ids[:, 1:], w, _lr_at(step, recipe), recipe.grad_clip)
             with torch.no_grad():
                 ans = w > 1.0
                 ans_loss = ce[ans].mean().item() if ans.any() else float("nan")

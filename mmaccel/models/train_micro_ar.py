@@ -43,7 +43,7 @@ from ..data.palette import (
     palette_samples,
 )
 from ..data.splits import split_seed
-from .train import _lr_at, _save
+from .train import _lr_at, _save, weighted_ce_step
 from .zoo import ZOO, Recipe, zoo_path
 
 logger = logging.getLogger(__name__)
@@ -347,14 +347,7 @@ def train(
         n_pix = LAYOUT[kind][1] + 1  # picture tokens and </s>
         logits = model(input_ids=ids, logits_to_keep=n_pix + 1).logits[:, :-1].float()
         labels = ids[:, -n_pix:]
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
-        loss = (ce * weights).sum() / weights.sum()
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, recipe)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        opt.step()
+        _, loss = weighted_ce_step(model, opt, logits, labels, weights, _lr_at(step, recipe), recipe.grad_clip)
         with torch.no_grad():
             acc = (logits.argmax(-1) == labels).float().mean().item()
         tokens += ids.numel()
