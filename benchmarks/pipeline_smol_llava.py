@@ -70,6 +70,7 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
             total = (record.ttft_s or 0.0) + (record.decode_s or 0.0)  # TTFT includes the tower and the prefill
             for key, value in (("vision_encoder_s", record.vision_encoder_s), ("prefill_s", record.prefill_s),
                                ("decode_s", record.decode_s), ("total_s", total),
+                               # decode seconds over all new tokens: answers differ in length between settings
                                ("decode_s_per_token", record.decode_s / max(record.new_tokens, 1)),
                                ("new_tokens", record.new_tokens),
                                ("kv_cache_bytes_final", record.kv_cache_bytes_final),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 
@@ -140,8 +141,6 @@ def read_shipped_json(name_or_path, directory, what: str, fix: str) -> dict:
     ValueError
         For an unknown name or a missing file (the message lists the shipped names), or unreadable JSON.
     """
-    from pathlib import Path
-
     text = str(name_or_path)
     path = Path(text)
     if not path.is_file():

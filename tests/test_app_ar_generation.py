@@ -39,7 +39,6 @@ KEYS = ("seconds", "tokens/s", "target forwards", "mean accepted length", "forwa
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The workbench launched on a free local port, with the tab: ``.client`` (gradio_client), ``.demo``."""
-    import apps.tabs
     import apps.workbench
 
     mp = pytest.MonkeyPatch()

@@ -20,8 +20,7 @@ if str(ROOT) not in sys.path:  # `pytest` without `python -m` does not put the r
 from test_app import save_tiny_vlm  # tests/ is on sys.path (rootdir conftest)
 
 from apps import workbench
-from apps.tabs import TABS
-from apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, VLMQATab, kept_slots
+from apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, kept_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,15 +36,13 @@ def app(tmp_path_factory):
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("vlm-qa")
     vlm = save_tiny_vlm(tmp / "tiny-llava")
-    try:
-        demo = workbench.build_app("micro-lm", vlm_model=vlm, device="cpu", work_dir=tmp / "work", max_upload_mb=0.5)
-    finally:
-        mp.undo()
+    demo = workbench.build_app("micro-lm", vlm_model=vlm, device="cpu", work_dir=tmp / "work", max_upload_mb=0.5)
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, vlm=vlm)
     finally:
         demo.close()
+        mp.undo()
 
 
 def vlm_qa(client, *columns, model, image=None, video=None, sample=SCENE_QA, seed=0, question="", frames=2,
