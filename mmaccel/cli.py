@@ -620,7 +620,8 @@ def niah_table(summary: dict) -> str:
 
 
 def cmd_zoo_list(args) -> int:
-    """``mmaccel zoo list``: trained micro-models (committed) and real models fetched from the package index."""
+    """``mmaccel zoo list``: trained micro-models (committed), real models fetched from the package index, and draft
+    heads (committed)."""
     from .eval.compare import format_bytes
     from .models.fetched import list_fetched
     from .models.zoo import list_models
@@ -638,6 +639,15 @@ def cmd_zoo_list(args) -> int:
             status, size = "not fetched", f"{format_bytes(row['download_bytes'])} dl"
         print(f"{row['name']:<14}{'fetched':<9}{status:<13}{size:>11}  {row['source']}; {row['license']}: "
               f"{row['description']}")
+    from .models.zoo import assets_dir
+    from .speculative.eagle import WEIGHTS_FILE
+    from .speculative.train_eagle import HEADS
+
+    for name in HEADS:
+        weights = assets_dir() / name / WEIGHTS_FILE
+        status, size = ("trained", format_bytes(weights.stat().st_size)) if weights.is_file() else ("not trained", "-")
+        print(f"{name:<14}{'head':<9}{status:<13}{size:>11}  assets/models/{name} (ours, Apache-2.0): EAGLE draft head "
+              f"for speculative decoding (`eagle:head={name}`)")
     return 0
 
 
@@ -660,9 +670,19 @@ def cmd_zoo_train(args) -> int:
     from .models.built import BUILT, train_built
     from .models.card import write_model_card
     from .models.zoo import ZOO
+    from .speculative.train_eagle import HEADS
 
     built_only = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
     given = {k: v for k, v in built_only.items() if v is not None}
+    if args.name in HEADS:  # a draft head for a fetched target (speculative decoding)
+        if given or args.max_steps is not None:
+            raise CLIError(f"{args.name} trains for a fixed wall-clock budget; it takes --out, --device and --threads")
+        summary = HEADS[args.name](args.out, device=args.device, threads=args.threads)
+        after = summary["eval_after"]
+        print(f"trained {args.name}: {summary['train']['steps']} steps, {summary['wall_time_s'] / 60:.1f} min in all; "
+              f"held-out mean accepted length (chain of {len(after['acc_chain'])}) "
+              f"{after['mean_accepted_length']:.2f}; card {summary['card']}")
+        return 0
     if args.name in BUILT:
         if args.max_steps is not None:
             raise CLIError(f"{args.name} is a built model: give its length with --steps, not --max-steps")
@@ -672,7 +692,7 @@ def cmd_zoo_train(args) -> int:
               f"scene-QA accuracy {'-' if acc is None else f'{100 * acc:.1f}%'}")
         return 0
     if args.name not in ZOO:
-        raise CLIError(f"unknown zoo model {args.name!r}; the zoo has: {', '.join([*ZOO, *BUILT])}")
+        raise CLIError(f"unknown zoo model {args.name!r}; the zoo has: {', '.join([*ZOO, *BUILT, *HEADS])}")
     if given:
         options = ", ".join("--" + k.replace("_", "-") for k in given)
         raise CLIError(f"{options} apply to built models ({', '.join(BUILT)}); micro-models take --max-steps")

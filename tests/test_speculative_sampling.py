@@ -11,7 +11,15 @@ from tiny_models import tiny_llama
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
 import mmaccel.speculative.verify as verify_module
-from mmaccel.speculative import DraftModel, PromptLookup, speculative_generate, verify_sampled
+from mmaccel.speculative import (
+    DraftModel,
+    Eagle,
+    EagleHead,
+    EagleHeadConfig,
+    PromptLookup,
+    speculative_generate,
+    verify_sampled,
+)
 
 V = 8
 ALPHA = 1e-3  # a correct sampler fails with this probability (the seeds are fixed, so the test is deterministic)
@@ -128,7 +136,13 @@ def _engine_counts(target, drafter, prompt, n=3000, seed=0):
     return _joint_counts(new[:, 0], new[:, 1])
 
 
-@pytest.mark.parametrize("drafter", ["draft", "self", "prompt_lookup"])
+def _eagle(target, seed=3):
+    """A random EAGLE head over 6 of the 8 tokens (its q has zero mass on the other two)."""
+    torch.manual_seed(seed)
+    return Eagle(EagleHead(EagleHeadConfig.from_target(target, [0, 1, 2, 3, 5, 7], "tiny")).eval())
+
+
+@pytest.mark.parametrize("drafter", ["draft", "self", "prompt_lookup", "eagle"])
 def test_engine_sampling_matches_the_target(pair, drafter):
     """3,000 rows sampled in one batched call match the exact joint.
 
@@ -139,7 +153,7 @@ def test_engine_sampling_matches_the_target(pair, drafter):
     target, draft = pair
     prompt = torch.tensor([[3, 7, 1, 2, 5, 3, 7]])  # the bigram (3, 7) recurs, so prompt lookup drafts (1, 2)
     make = {"draft": lambda: DraftModel(draft), "self": lambda: DraftModel(target),
-            "prompt_lookup": lambda: PromptLookup(max_ngram=2)}[drafter]
+            "prompt_lookup": lambda: PromptLookup(max_ngram=2), "eagle": lambda: _eagle(target)}[drafter]
     exact = _exact_joint(target, prompt)
     assert chi_square_pvalue(_engine_counts(target, make(), prompt), exact) > ALPHA
 

@@ -9,6 +9,9 @@ al., 2023, arXiv 2302.01318), KV rollback with ``DynamicCache.crop`` and the tel
 :func:`speculative_generate`; a drafter (:class:`Drafter`) only proposes tokens. Tree drafters (``tree``, ``dytree``:
 :mod:`mmaccel.speculative.tree`) propose a token tree that the target verifies in one forward with a tree attention
 mask (SpecInfer, Miao et al., 2023, arXiv 2305.09781; Medusa, arXiv 2401.10774; EAGLE, arXiv 2401.15077), batch 1.
+``eagle`` drafts with a trained one-layer head over the target's own last hidden states (EAGLE, arXiv
+2401.15077; :mod:`mmaccel.speculative.eagle`, trained by ``mmaccel zoo train smollm2-135m-eagle``).
+``cascade`` asks drafters in turn (prompt lookup when a copy pays, else EAGLE).
 ``layer_skip`` drafts with the target itself minus a searched set of decoder layers (Draft & Verify, arXiv
 2309.08168; SWIFT, arXiv 2410.06916; :mod:`mmaccel.speculative.layer_skip`); ``prompt_lookup`` copies from the context
 and drafts nothing where a copy would not pay for its verification.
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 from ..specs import build_from_registry
 from .base import Draft, Drafter, column_positions, crop_cache, left_padding, positions_from_mask
+from .cascade import Cascade
 from .draft_model import DraftModel, check_same_vocabulary
+from .eagle import Eagle, EagleHead, EagleHeadConfig, load_head, save_head
 from .engine import SpeculativeOutput, speculative_generate
 from .harness import (
     PEERS,
@@ -61,6 +66,8 @@ METHODS: dict[str, type[Drafter]] = {
     "layer_skip": LayerSkip,
     "tree": DraftTree,
     "dytree": DynamicDraftTree,
+    "eagle": Eagle,
+    "cascade": Cascade,
 }
 
 
@@ -81,11 +88,15 @@ __all__ = [
     "METHODS",
     "PEERS",
     "AdaptiveDraftLength",
+    "Cascade",
     "Draft",
     "DraftModel",
     "DraftTree",
     "Drafter",
     "DynamicDraftTree",
+    "Eagle",
+    "EagleHead",
+    "EagleHeadConfig",
     "HFAssisted",
     "HFEarlyExit",
     "HFPromptLookup",
@@ -111,10 +122,12 @@ __all__ = [
     "is_speculative_spec",
     "keep_cache_slots",
     "left_padding",
+    "load_head",
     "load_skip_set",
     "model_tree_mask",
     "positions_from_mask",
     "residual_distribution",
+    "save_head",
     "search_skip_layers",
     "skipping_layers",
     "speculative_generate",

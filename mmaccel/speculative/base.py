@@ -73,6 +73,8 @@ class Drafter:
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
+    #: whether :meth:`observe` stays right when the step's draft came from another drafter (a :class:`Cascade`)
+    observes_any_draft: ClassVar[bool] = False
 
     def begin(self, target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               sampler: Sampler) -> None:

@@ -11,9 +11,11 @@ Specs
 - Engine drafters (:data:`mmaccel.speculative.METHODS`), run by :func:`~mmaccel.speculative.speculative_generate`:
   ``draft:model=micro-draft``, ``prompt_lookup:max_ngram=3``, ``pld``, ``jacobi``, and the token-tree drafters
   ``tree:model=micro-draft:shape=3,2,2`` (static top-k tree) and ``dytree:model=micro-draft:width=4:depth=5``
-  (grown by draft confidence), greedy or sampled, batch 1. Every drafter spec also takes ``k`` (draft tokens per
-  step, ``>= 1``; default 4, 10 for prompt lookup as in PLD, the tree's depth for a tree, where ``k`` caps the
-  depth) and ``adaptive=true`` (:class:`~mmaccel.speculative.AdaptiveDraftLength` starting at ``k``).
+  (grown by draft confidence), greedy or sampled, batch 1; ``eagle:head=smollm2-135m-eagle`` (a trained EAGLE
+  head over the target's features) and ``cascade:first=prompt_lookup:then=eagle`` (copy when a copy pays, else
+  EAGLE, ``then_k`` tokens). Every drafter spec also takes ``k`` (draft tokens per step, ``>= 1``; default 4, 16 for
+  prompt lookup and the cascade, 10 for ``pld`` as in PLD, the tree's depth for a tree, where ``k`` caps the depth)
+  and ``adaptive=true`` (:class:`~mmaccel.speculative.AdaptiveDraftLength` starting at ``k``).
 - transformers' own speculative paths (:data:`PEERS`), run by ``model.generate(**kwargs)``:
   ``hf_assisted:model=micro-draft`` (``assistant_model=``), ``hf_prompt_lookup:num_tokens=10``
   (``prompt_lookup_num_tokens=``), ``hf_early_exit:layers=15`` (``assistant_early_exit=``).
@@ -47,7 +49,7 @@ from .schedule import AdaptiveDraftLength, check_draft_length
 logger = logging.getLogger(__name__)
 
 #: default draft tokens per step of each drafter (PLD drafts up to 10 tokens, Saxena 2023)
-DEFAULT_K = {"prompt_lookup": 16, "pld": 10}
+DEFAULT_K = {"prompt_lookup": 16, "pld": 10, "eagle": 4, "cascade": 16}
 
 
 def _sync(device: torch.device) -> None:
