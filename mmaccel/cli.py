@@ -626,18 +626,18 @@ def cmd_zoo_list(args) -> int:
     from .models.fetched import list_fetched
     from .models.zoo import list_models
 
-    print(f"{'name':<14}{'kind':<9}{'status':<13}{'size':>11}  source / license / description")
+    print(f"{'name':<20}{'kind':<9}{'status':<13}{'size':>11}  source / license / description")
     for row in list_models():
         size = format_bytes(row["size_bytes"]) if row["trained"] else "-"
         status = "trained" if row["trained"] else "not trained"
-        print(f"{row['name']:<14}{'micro':<9}{status:<13}{size:>11}  assets/models/{row['name']} (ours, Apache-2.0): "
+        print(f"{row['name']:<20}{'micro':<9}{status:<13}{size:>11}  assets/models/{row['name']} (ours, Apache-2.0): "
               f"{row['description']}")
     for row in list_fetched():
         if row["fetched"]:
             status, size = "fetched", format_bytes(row["size_bytes"])
         else:
             status, size = "not fetched", f"{format_bytes(row['download_bytes'])} dl"
-        print(f"{row['name']:<14}{'fetched':<9}{status:<13}{size:>11}  {row['source']}; {row['license']}: "
+        print(f"{row['name']:<20}{'fetched':<9}{status:<13}{size:>11}  {row['source']}; {row['license']}: "
               f"{row['description']}")
     from .models.zoo import assets_dir
     from .speculative.eagle import WEIGHTS_FILE
@@ -646,7 +646,7 @@ def cmd_zoo_list(args) -> int:
     for name in HEADS:
         weights = assets_dir() / name / WEIGHTS_FILE
         status, size = ("trained", format_bytes(weights.stat().st_size)) if weights.is_file() else ("not trained", "-")
-        print(f"{name:<14}{'head':<9}{status:<13}{size:>11}  assets/models/{name} (ours, Apache-2.0): EAGLE draft head "
+        print(f"{name:<20}{'head':<9}{status:<13}{size:>11}  assets/models/{name} (ours, Apache-2.0): EAGLE draft head "
               f"for speculative decoding (`eagle:head={name}`)")
     return 0
 

@@ -391,10 +391,10 @@ def evaluate(head, embed, lm_weight, examples, vocab_index, *, steps: int, scale
 
 def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, target: str = TARGET,
           n_free: int = 900, n_copy: int = 300, max_new_tokens: int = 96, gen_batch: int = 48,
-          data_minutes: float = 15.0, train_minutes: float = 24.0, vocab: int = 8192, unroll: int = 3,
-          lr: float = 1e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
-          seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 8.0, text_cache=None,
-          weight_decay: float = 0.0, eval_every: int = 100, **_ignored) -> dict:
+          data_minutes: float = 16.0, train_minutes: float = 24.0, vocab: int = 8192, unroll: int = 3,
+          lr: float = 2e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
+          seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 0.0, text_cache=None,
+          weight_decay: float = 0.0, eval_every: int = 0, **_ignored) -> dict:
     """Generate the data, train the head, evaluate it, write it with a card (see the module docstring).
 
     Parameters
@@ -557,7 +557,8 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
                    "data_minutes": data_minutes, "train_minutes": train_minutes, "vocab": vocab, "unroll": unroll,
                    "lr": lr, "batch_size": batch_size, "max_len": max_len, "noise": noise, "seed": seed,
                    "text_minutes": text_minutes, "weight_decay": weight_decay, "eval_every": eval_every,
-                   "init": "target's last decoder layer; fc = [N(0, 0.02) | identity]"},
+                   "init": ("random (PyTorch's default initialisation)" if init == "random" else
+                            "the target's last decoder layer and final norm; fc = [N(0, 0.02) | identity]")},
         "data": {"examples": len(examples), "train_examples": len(train_set), "eval_examples": len(eval_set),
                  "tokens": n_tokens, "answer_tokens": n_answer, "seconds": round(data_s, 1),
                  "text_windows": len(text), "text_tokens": sum(len(e["tokens"]) for e in text),
@@ -603,8 +604,10 @@ draft token. Only the head's own weights are here ({summary['head_parameters']:,
 
 ## How it was made
 
-- Command: `{summary['command']}` ({summary['threads']} threads, device `{summary['device']}`, {platform.machine()},
-  {summary['wall_time_s'] / 60:.1f} min in all: data {d['seconds'] / 60:.1f} min, training {t['seconds'] / 60:.1f} min).
+- Command: `{summary['command']}` ({summary['threads']} threads, device `{summary['device']}`, {platform.machine()}).
+  Time: {(d['seconds'] + d.get('text_seconds', 0) + t['seconds']) / 60:.1f} min = answers {d['seconds'] / 60:.1f} min
+  + teacher-forced text {d.get('text_seconds', 0) / 60:.1f} min + training {t['seconds'] / 60:.1f} min (evaluation and
+  loading not counted).{(chr(10) + '- ' + summary['how']) if summary.get('how') else ''}
 - Data (self-distillation, Medusa/EAGLE): the target answers {d['examples']:,} requests greedily in its chat template,
   {r['max_new_tokens']} new tokens at most -- templated chat requests (none of them a Spec-Bench prompt) and copy tasks
   on the *train* split of the stdlib paragraphs (Spec-Bench's copy prompts use the held-out split). {d['tokens']:,}
