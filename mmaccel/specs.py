@@ -153,3 +153,31 @@ def read_shipped_json(name_or_path, directory, what: str, fix: str) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {what} {text!r}: {exc}") from exc
+
+
+def resolve_nested(value, base: type, build, owner: str, example: str):
+    """A wrapped component given as an object or as a nested spec with commas for colons
+    (``"snapkv,budget=64,window=8"`` -> ``build("snapkv:budget=64:window=8")``), as wrappers such as
+    ``chunked:method=...`` and ``cascade:then=...`` take them.
+
+    Parameters
+    ----------
+    value : object or str
+        An instance of ``base``, or a nested spec.
+    base : type
+        What the component must be.
+    build : callable
+        Spec string -> component (a registry's builder).
+    owner, example : str
+        For the message: the wrapper's name and a valid nested spec.
+
+    Raises
+    ------
+    ValueError
+        For anything else, or as ``build`` raises for an unknown name or argument.
+    """
+    if isinstance(value, base):
+        return value
+    if isinstance(value, str):
+        return build(value.replace(",", ":"))
+    raise ValueError(f"{owner}: expected a {base.__name__} or a spec such as {example!r}, got {value!r}")

@@ -11,18 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
+from ..specs import resolve_nested
 from .base import KVMethod, KVMethodCache, LayerStep, _check_int
 
 
 def resolve_inner(method, owner: str) -> KVMethod:
-    """A wrapped method from an object or a nested spec (``"snapkv,budget=64,window=8"``: commas for colons)."""
-    if isinstance(method, KVMethod):
-        return method
-    if isinstance(method, str):
-        from . import build_method
+    """A wrapped method from an object or a nested spec (``"snapkv,budget=64,window=8"``: commas for colons).
 
-        return build_method(method.replace(",", ":"))
-    raise ValueError(f"{owner}: method must be a KV-cache method or a spec such as 'snapkv,budget=256', got {method!r}")
+    Raises
+    ------
+    ValueError
+        Neither a :class:`KVMethod` nor a spec, or an unknown nested method or argument.
+    """
+    from . import build_method
+
+    return resolve_nested(method, KVMethod, build_method, owner, "snapkv,budget=256")
 
 
 _SEQ_KWARGS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")

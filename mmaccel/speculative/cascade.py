@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..specs import resolve_nested
 from .base import Draft, Drafter
 from .sampling import Sampler
 
 
 def _resolve(drafter, owner: str) -> Drafter:
     """A drafter from an object or a nested spec (``"eagle,head=smollm2-135m-eagle"``: commas for colons)."""
-    if isinstance(drafter, Drafter):
-        return drafter
-    if isinstance(drafter, str):
-        from . import build_drafter
+    from . import build_drafter
 
-        return build_drafter(drafter.replace(",", ":"))
-    raise ValueError(f"{owner}: expected a drafter or a spec such as 'eagle,head=smollm2-135m-eagle', got {drafter!r}")
+    return resolve_nested(drafter, Drafter, build_drafter, owner, "eagle,head=smollm2-135m-eagle")
 
 
 class Cascade(Drafter):

@@ -417,6 +417,7 @@ class Eagle(Drafter):
         self._captured = None
         self._feats = []  # verified target features not yet fed to the head, [B, n, H] each
         self._expect_prefill = L > 1  # the engine prefills the prompt minus its last token
+        self._true_length = 0  # head cache slots computed from true target features
         self._forwards = self._proposed = 0
 
     def _mask(self, attention_mask, start: int, stop: int):
@@ -430,7 +431,7 @@ class Eagle(Drafter):
     def propose(self, sequences, attention_mask, k, sampler, generator=None) -> Draft:
         """Draft up to ``k`` tokens; see :meth:`Drafter.propose`. Returns ``q`` [B, k, V] when sampling."""
         head = self.head
-        seq = sequences
+        seq = sequences  # [B, T], last column pending
         B, T = seq.shape
         P = self._cache.length  # columns the head has already seen with true features
         if not self._feats:  # a one-token prompt: no target feature yet, nothing to draft from
@@ -479,7 +480,7 @@ class Eagle(Drafter):
     def observe(self, target_logits, draft: Draft, kept: int) -> None:
         """Keep the true features of the pending token and the ``kept`` accepted drafts; drop the head's K/V of its
         own predicted columns."""
-        self._cache.crop(getattr(self, "_true_length", self._cache.length))
+        self._cache.crop(self._true_length)
         if self._captured is not None:
             self._feats.append(self._captured[:, : kept + 1])
             self._captured = None

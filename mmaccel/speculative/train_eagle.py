@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import EagleHead, EagleHeadConfig, expected_head_bytes, head_parameters, save_head
+from .eagle import EagleHead, EagleHeadConfig, _decoder, expected_head_bytes, head_parameters, save_head
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,6 @@ def copy_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
         shown = _typos(para, rng) if task == "edit" else para
         out.append((f"{instruction}\n\n{shown}", f"{lead} {' '.join(para.split()[:3])}"))
     return out
-
-
-def _decoder(model):
-    from .eagle import _decoder as dec
-
-    return dec(model)
 
 
 @torch.inference_mode()
@@ -394,7 +388,7 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
           data_minutes: float = 16.0, train_minutes: float = 24.0, vocab: int = 8192, unroll: int = 3,
           lr: float = 2e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
           seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 0.0, text_cache=None,
-          weight_decay: float = 0.0, eval_every: int = 0, **_ignored) -> dict:
+          weight_decay: float = 0.0, eval_every: int = 0) -> dict:
     """Generate the data, train the head, evaluate it, write it with a card (see the module docstring).
 
     Parameters
@@ -549,7 +543,6 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
     kept_step = best[1] if best is not None and best[0] > final else step
     after = evaluate(head, embed, lm_weight, eval_set, vocab_index, steps=max(unroll, 5), scale=scale,
                      max_len=max_len)
-    save_head(head, out)
     summary = {
         "name": NAME, "target": target, "format": config.format,
         "command": "mmaccel zoo train smollm2-135m-eagle",
