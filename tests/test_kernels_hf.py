@@ -77,3 +77,14 @@ def test_pattern_errors(tiny_llama):
     mask[0, :4] = 0
     with attention_patterns(model, {0: Streaming(2, 4)}), pytest.raises(NotImplementedError, match="padded"):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_hooked_cache_reads_both_argument_names():
+    """transformers <= 5.23 passes the cache as past_key_values, 5.24 (attention modules) as cache."""
+    from mmaccel.kernels.hf import hooked_cache
+
+    cache = object()
+    assert hooked_cache({"past_key_values": cache}) is cache
+    assert hooked_cache({"cache": cache, "hidden_states": None}) is cache
+    assert hooked_cache({"past_key_values": None, "cache": cache}) is cache
+    assert hooked_cache({"hidden_states": None}) is None

@@ -163,8 +163,15 @@ def _prefill_at(args, device, dtype, peaks, L: int) -> list[Record]:
     return records
 
 
+def _streamed(rows: list[Record]) -> list[Record]:
+    """Log one length's rows as soon as they are measured, so a run stopped at a time limit keeps its figures."""
+    for r in rows:
+        print(format_row(r), file=sys.stderr, flush=True)
+    return rows
+
+
 def bench_prefill(args, device, dtype, peaks) -> list[Record]:
-    return [r for L in args.lengths for r in _prefill_at(args, device, dtype, peaks, L)]
+    return [r for L in args.lengths for r in _streamed(_prefill_at(args, device, dtype, peaks, L))]
 
 
 def _decode_at(args, device, dtype, peaks, S: int) -> list[Record]:
@@ -204,7 +211,7 @@ def _decode_at(args, device, dtype, peaks, S: int) -> list[Record]:
 
 
 def bench_decode(args, device, dtype, peaks) -> list[Record]:
-    return [r for S in args.cache_lengths for r in _decode_at(args, device, dtype, peaks, S)]
+    return [r for S in args.cache_lengths for r in _streamed(_decode_at(args, device, dtype, peaks, S))]
 
 
 def scaling_summary(records: list[Record]) -> dict[str, dict]:
@@ -225,21 +232,20 @@ def scaling_summary(records: list[Record]) -> dict[str, dict]:
     return out
 
 
+def format_row(r: Record) -> str:
+    """One record as a fixed-width line of :func:`format_table`."""
+    def opt(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+    return (f"{r.op:<14}{r.method:<28}{r.backend:<10}{r.length:>8}{r.ms:>11.2f}{r.speedup:>9.2f}"
+            f"{opt(r.vs_flash, '.2f'):>9}{r.density:>6.2f}{r.tflops:>9.3f}{r.gbps:>8.1f}"
+            f"{opt(r.pct_peak_flops, '.1f'):>8}{opt(r.pct_peak_bw, '.1f'):>8}")
+
+
 def format_table(records: list[Record], scaling: dict[str, dict]) -> str:
     """Fixed-width text table of the records, then the scaling summary."""
     head = f"{'op':<14}{'method':<28}{'backend':<10}{'L':>8}{'ms':>11}{'x sdpa':>9}{'x flash':>9}{'dens':>6}" \
            f"{'TFLOP/s':>9}{'GB/s':>8}{'%peakF':>8}{'%peakB':>8}"
-    lines = [head, "-" * len(head)]
-
-    def opt(x, fmt):
-        return format(x, fmt) if x is not None else "-"
-
-    for r in records:
-        lines.append(
-            f"{r.op:<14}{r.method:<28}{r.backend:<10}{r.length:>8}{r.ms:>11.2f}{r.speedup:>9.2f}"
-            f"{opt(r.vs_flash, '.2f'):>9}{r.density:>6.2f}{r.tflops:>9.3f}{r.gbps:>8.1f}"
-            f"{opt(r.pct_peak_flops, '.1f'):>8}{opt(r.pct_peak_bw, '.1f'):>8}"
-        )
+    lines = [head, "-" * len(head)] + [format_row(r) for r in records]
     if scaling:
         lines += ["", "prefill scaling (time ratio, exponent: 1 = linear, 2 = quadratic)"]
         for name, s in scaling.items():

@@ -144,6 +144,17 @@ def _runs_mmaccel(impl) -> bool:
     return isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS._global_mapping.get(impl) is mmaccel_attention_forward
 
 
+def hooked_cache(kwargs: Mapping) -> object | None:
+    """The KV cache a hooked forward was called with, or ``None``.
+
+    transformers up to 5.23 passes it to attention modules and decoders as ``past_key_values``; 5.24 renamed the
+    attention modules' argument to ``cache``. Forward hooks (``with_kwargs=True``) read it through this one function
+    so they fire under both.
+    """
+    cache = kwargs.get("past_key_values")
+    return kwargs.get("cache") if cache is None else cache
+
+
 def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """The self-attention modules of a model's language decoder, by layer index: the one finder of mmaccel.
 

@@ -51,7 +51,7 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..kernels.hf import attention_modules
+from ..kernels.hf import attention_modules, hooked_cache
 
 logger = logging.getLogger(__name__)
 
@@ -581,7 +581,7 @@ class KVMethodCache(DynamicCache):
 
         def after_attention(module, args, kwargs, output):
             cache = ref()
-            if cache is None or kwargs.get("past_key_values") is not cache:
+            if cache is None or hooked_cache(kwargs) is not cache:
                 return
             if output is None:  # the attention forward raised
                 cache.close()
@@ -594,7 +594,7 @@ class KVMethodCache(DynamicCache):
 
         def after_model(module, args, kwargs, output):
             cache = ref()
-            if cache is not None and output is None and kwargs.get("past_key_values") is cache:
+            if cache is not None and output is None and hooked_cache(kwargs) is cache:
                 cache.close()  # the forward raised: leave nothing attached to the model
 
         for module in modules.values():

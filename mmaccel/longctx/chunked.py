@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.hf import hooked_cache
 from ..specs import resolve_nested
 from .base import KVMethod, KVMethodCache, LayerStep, _check_int
 
@@ -48,7 +49,7 @@ def _prefill_splitter(ref, chunk: int, last_logits_only: bool):
 
     def split(module, args, kwargs):
         cache = ref()
-        if cache is None or kwargs.get("past_key_values") is not cache:
+        if cache is None or hooked_cache(kwargs) is not cache:
             return None
         kwargs = dict(kwargs)
         if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
@@ -183,7 +184,7 @@ class Chunked(KVMethod):
 
         def move_last(module, args, kwargs):
             """Re-register the split hook so that it runs after every pre-hook the language model has now."""
-            if ref() is None or kwargs.get("past_key_values") is not ref() or held[0] not in hooks:
+            if ref() is None or hooked_cache(kwargs) is not ref() or held[0] not in hooks:
                 return
             held[0].remove()
             hooks.remove(held[0])

@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
-from ..kernels.hf import attention_modules
+from ..kernels.hf import attention_modules, hooked_cache
 from .base import KVMethodCache, has_padding
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class OwnedAttentionCache(KVMethodCache):
 
         def after_model(module, args, kwargs, output):
             cache = ref()
-            if cache is not None and output is None and kwargs.get("past_key_values") is cache:
+            if cache is not None and output is None and hooked_cache(kwargs) is cache:
                 cache.close()  # the forward raised: give the modules back their own attention
 
         self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))

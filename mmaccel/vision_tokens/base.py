@@ -62,6 +62,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..kernels.hf import hooked_cache
 from .plan import TokenPlan
 
 logger = logging.getLogger(__name__)
@@ -413,7 +414,7 @@ class _RunState:
 
 
 def _past_length(kwargs: dict) -> int:
-    cache = kwargs.get("past_key_values")
+    cache = hooked_cache(kwargs)
     return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
 
 
