@@ -383,8 +383,9 @@ def test_chunked_snapkv_window_is_the_current_chunks_last_queries(sdpa):
         assert all(torch.equal(a.positions, b.positions) for a, b in zip(whole.layers, plain.layers))
 
 
-@pytest.mark.parametrize("spec", ["quest:budget=16:page_size=4", "adakv:method=snapkv,budget=12,window=4",
-                                  "kvquant:bits=4:residual=4:group=8", "longheads:chunk=8:window=24",
+@pytest.mark.parametrize("spec", ["quest:budget=16:page_size=4:dense_layers=0",
+                                  "adakv:method=snapkv,budget=12,window=4", "kvquant:bits=4:residual=4:group=8",
+                                  "longheads:chunk=8:window=24",
                                   "bilevel:chunk=8:dense_chunks=1:sparse_tokens=2:sink=2"])
 def test_chunked_wraps_methods_with_their_own_caches_as_generate_chunking_does(sdpa, spec):
     """Quest, AdaKV, kvquant, LongHeads and BiLevel build their own cache types; the wrapper drives them exactly as

@@ -76,7 +76,7 @@ def test_decode_logits_after_real_page_selection_match_a_per_head_masked_referen
     those pages' tokens (causal) reproduces the logits; full attention does not."""
     prompt, steps, page = 40, 6, 4
     ids = random_prompt(prompt + steps, seed=3)
-    method = Quest(budget=8, page_size=page)
+    method = Quest(budget=8, page_size=page, dense_layers=0)
     logits, read = [], []
     with method.make_cache(sdpa) as cache:
         logits.append(sdpa(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1])
@@ -109,7 +109,7 @@ def test_decode_logits_after_real_page_selection_match_a_per_head_masked_referen
 
 
 def test_ratio_reads_that_fraction_of_the_context(sdpa):
-    method = build_method("quest:ratio=0.25:page_size=4")
+    method = build_method("quest:ratio=0.25:page_size=4:dense_layers=0")
     with method.make_cache(sdpa) as cache:
         sdpa.generate(random_prompt(64, seed=4), past_key_values=cache, max_new_tokens=4, do_sample=False)
         telemetry = method.telemetry(cache)
@@ -122,6 +122,7 @@ def test_ratio_reads_that_fraction_of_the_context(sdpa):
 @pytest.mark.parametrize("spec, message", [
     ("quest:budget=0", "budget must be an integer >= 1"),
     ("quest:page_size=0", "page_size must be an integer >= 1"),
+    ("quest:dense_layers=-1", "dense_layers must be an integer >= 0"),
     ("quest:budget=64:ratio=0.5", "not both"),
     ("quest:ratio=1.5", "ratio must be a kept fraction"),
 ])
@@ -141,3 +142,19 @@ def test_registered_round_trips_and_refuses_padding(sdpa):
         sdpa.generate(torch.randint(0, 128, (2, 20)), attention_mask=mask, past_key_values=method.make_cache(sdpa),
                       max_new_tokens=2, do_sample=False)
     assert sdpa.model.layers[0].self_attn.config is sdpa.config
+
+
+def test_dense_layers_read_everything_and_keep_no_page_bounds(sdpa):
+    """Quest's first ``dense_layers`` layers stay dense at every step (as in Quest's evaluation); the rest select."""
+    method = build_method("quest:budget=8:page_size=4:dense_layers=1")
+    with method.make_cache(sdpa) as cache:
+        sdpa.generate(random_prompt(40, seed=5), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        dense, sparse = cache.layers
+        telemetry = method.telemetry(cache)
+    assert dense.dense and not sparse.dense
+    assert dense.last_pages is None and dense.kmin is None and dense.read_fractions == [1.0] * 3
+    assert sparse.last_pages is not None and all(f < 0.5 for f in sparse.read_fractions)
+    steps = telemetry["kv_read_fraction_per_step"]
+    assert steps == pytest.approx([(1.0 + f) / 2 for f in sparse.read_fractions])
+    assert telemetry["dense_layers"] == 1
+    assert telemetry["bookkeeping_bytes"] == 2 * HKV * math.ceil(43 / 4) * D * 4  # the sparse layer's bounds only

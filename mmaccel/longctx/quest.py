@@ -73,11 +73,13 @@ class QuestLayer(AttentionOwningLayer):
         int64 [B, Hkv, k] the pages the last decode step read (``None`` when it read the whole cache).
     read_fractions : list of float
         Per decode step, the fraction of the held K/V rows read (mean over rows and KV heads).
+    dense : bool
+        A layer Quest leaves dense (the first ``dense_layers``): every step reads the whole cache, no page bounds.
     """
 
-    def __init__(self, budget: int | None, ratio: float | None, page_size: int):
+    def __init__(self, budget: int | None, ratio: float | None, page_size: int, dense: bool = False):
         super().__init__()
-        self.budget, self.ratio, self.page_size = budget, ratio, page_size
+        self.budget, self.ratio, self.page_size, self.dense = budget, ratio, page_size, dense
         self.kmin = self.kmax = None
         self.last_pages: torch.Tensor | None = None
         self.read_fractions: list[float] = []
@@ -95,6 +97,9 @@ class QuestLayer(AttentionOwningLayer):
         start = self.keys.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        if self.dense:
+            return self.keys, self.values
         first = start // self.page_size
         lo, hi = page_bounds(self.keys[:, :, first * self.page_size:], self.page_size)
         if self.kmin is None:
@@ -102,7 +107,6 @@ class QuestLayer(AttentionOwningLayer):
         else:
             self.kmin = torch.cat([self.kmin[:, :, :first], lo], dim=2)
             self.kmax = torch.cat([self.kmax[:, :, :first], hi], dim=2)
-        self.cumulative_length += key_states.shape[-2]
         return self.keys, self.values
 
     def pages_to_read(self, T: int) -> int:
@@ -125,8 +129,7 @@ class QuestLayer(AttentionOwningLayer):
         if q > 1:  # prefill stays dense, as in Quest
             return attention(query, self.keys, self.values, causal=True, scaling=scaling)
         T = self.keys.shape[2]
-        P = self.kmin.shape[2]
-        if self.pages_to_read(T) >= P:
+        if self.dense or self.pages_to_read(T) >= self.kmin.shape[2]:
             self.last_pages = None
             self.read_fractions.append(1.0)
             return decode_attention(query, self.keys, self.values, scaling=scaling)
@@ -154,7 +157,9 @@ class Quest(KVMethod):
     page's keys ([B, Hkv, P, D] each, bookkeeping). At a decode step each page gets Quest's upper bound of its
     attention logit, ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` (summed over the query heads of the GQA group, so a
     group reads one set of K/V rows), the best pages up to the token budget are kept, the newest page always, and
-    attention reads only them through :func:`mmaccel.kernels.decode_attention` (``pages=``). Prefill is dense.
+    attention reads only them through :func:`mmaccel.kernels.decode_attention` (``pages=``). Prefill is dense, and so
+    are the first ``dense_layers`` layers at every step, as in Quest's own evaluation (its first two layers attend to
+    everything: their attention is not sparse enough for page selection).
 
     **Quest bounds the K/V read per step, not the K/V held**: ``kv_cache_bytes`` equals full attention's (plus the
     page bounds in ``bookkeeping_bytes``). The telemetry reports the fraction read per decode step.
@@ -167,6 +172,9 @@ class Quest(KVMethod):
         Fraction of the context read instead, in (0, 1] (``quest:ratio=0.25``).
     page_size : int
         Tokens per page, >= 1 (default 16, as in Quest).
+    dense_layers : int
+        The first this many layers read the whole cache at every step, >= 0 (default 2, as in Quest). They count in
+        the telemetry's read fraction.
 
     Notes
     -----
@@ -182,6 +190,7 @@ class Quest(KVMethod):
     budget: int | None = None
     ratio: float | None = None
     page_size: int = 16
+    dense_layers: int = 2
 
     method_name = "quest"
     uses_hooks = False
@@ -197,9 +206,10 @@ class Quest(KVMethod):
                 self.budget = 256
             _check_int(name, "budget", self.budget, 1, f"pass the tokens read per decode step, e.g. {name}:budget=256")
         _check_int(name, "page_size", self.page_size, 1, f"e.g. {name}:page_size=16")
+        _check_int(name, "dense_layers", self.dense_layers, 0, f"e.g. {name}:dense_layers=2 (0: every layer sparse)")
 
     def make_layer(self, layer_idx: int) -> QuestLayer:
-        return QuestLayer(self.budget, self.ratio, self.page_size)
+        return QuestLayer(self.budget, self.ratio, self.page_size, dense=layer_idx < self.dense_layers)
 
     def make_cache(self, model: torch.nn.Module) -> OwnedAttentionCache:
         """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
@@ -224,6 +234,7 @@ class Quest(KVMethod):
             "budget": self.budget,
             "ratio": self.ratio,
             "page_size": self.page_size,
+            "dense_layers": self.dense_layers,
             "seen_tokens": seen,
             "kept_tokens_per_layer": [l.keys.shape[2] if l.is_initialized else 0 for l in layers],
             "evicted_tokens": 0,
