@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mmaccel.kernels import attention, attention_column_scores, available_backends, tree_attention
+from mmaccel.kernels.column_scores import attention_column_scores_reference
 from mmaccel.kernels.backends import resolve_backend
 from mmaccel.kernels.dense import causal_mask
 
@@ -133,10 +134,14 @@ def test_tree_attention_errors():
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_column_scores_match_dense_probabilities(reduce, causal):
+@pytest.mark.parametrize("block_size", [None, 16])  # one block (one softmax), or four blocks (two passes)
+def test_column_scores_match_dense_probabilities(reduce, causal, block_size):
     W, L = 7, 50
     q, k, _ = qkv(2, 4, 2, W, L, 16)
-    out = attention_column_scores(q, k, causal=causal, reduce=reduce)
+    if block_size is None:
+        out = attention_column_scores(q, k, causal=causal, reduce=reduce)
+    else:
+        out = attention_column_scores_reference(q, k, causal=causal, reduce=reduce, block_size=block_size)
     allowed = causal_mask(W, L, "cpu") if causal else torch.ones(W, L, dtype=torch.bool)
     g = 2
     s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / 4.0
