@@ -15,6 +15,7 @@ from mmaccel.data.scenes import make_scene_qa
 from mmaccel.eval.video_niah import summarize_video, video_niah
 from mmaccel.eval.vision_sweep import BASELINE, PrefillCost, vision_sweep
 from mmaccel.eval.visual import VisualConfig, parse_visual_config
+from mmaccel.kernels.hf import hooked_cache
 from mmaccel.models import smol_llava as sl
 from mmaccel.models import train_smol_llava as tr
 from mmaccel.vision_tokens import Pooling
@@ -231,7 +232,7 @@ def _video_niah_seeing_the_lm(model, processor, method):
 
     def first_layer(module, args, kwargs):
         q = int((args[0] if args else kwargs["hidden_states"]).shape[1])
-        seen.append((q, kwargs["past_key_values"].get_seq_length(0) + q))
+        seen.append((q, hooked_cache(kwargs).get_seq_length(0) + q))
 
     handle = model.model.language_model.layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
     try:
