@@ -15,6 +15,8 @@
 #   stage 2: micro-lm + micro-draft spec-bench on the GPU (fp32)
 #   stage 3: smollm2-135m: spec-bench in bf16 (issue 11), the 8k NIAH table in bf16 with the kernels in the model
 #            path (issue 9)
+#   stage 4: (not run yet) smollm2-135m beyond its 8k training length (12k, 16k: full vs LongHeads), and 20
+#            documents per budget at 4k (SnapKV, PyramidKV, Quest with and without its dense first layers)
 # The NIAH rows that may compile per document length (FlexAttention sparse prefill) or need eager attention
 # scores (H2O) come last. Every step has its own time limit and the next runs whatever happened; records are
 # streamed to OUT as they come.
@@ -65,6 +67,15 @@ transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_de
     quest:ratio=0.25 streaming:ratio=0.25 kvquant:bits=4 razor:pattern=smollm2-135m chunked:chunk=1024:method=full \
     chunked:chunk=512:method=retrieval_heads,pattern=smollm2-135m-gates,fraction=0.2,window=192,prefill=dense \
     h2o:ratio=0.25 retrieval_heads:pattern=smollm2-135m-gates:fraction=0.2:window=192
+  ;;
+4)  # after stage 3 on the same warm machine (the converted model is in its cache): what the CPU could not afford
+  step 200 niah_beyond $PY -m mmaccel niah --model smollm2-135m --device cuda --dtype bfloat16 \
+    --lengths 12288 16384 --depths 0.1 0.3 0.5 0.7 0.9 --trials 2 --no-progress --out "$OUT/niah_beyond" \
+    --methods full longheads longheads:window=4096
+  step 150 niah4k_budgets $PY -m mmaccel niah --model smollm2-135m --device cuda --dtype bfloat16 --lengths 4096 \
+    --depths 0.1 0.3 0.5 0.7 0.9 --trials 4 --no-progress --out "$OUT/niah4k_budgets" --methods full \
+    snapkv:ratio=0.1 snapkv:ratio=0.25 pyramidkv:ratio=0.1 pyramidkv:ratio=0.25 quest:ratio=0.1 quest:ratio=0.25 \
+    quest:ratio=0.25:dense_layers=0
   ;;
 esac
 # At most 8 files come back: fold each output folder into one archive.
