@@ -102,3 +102,20 @@ def test_gpu_bf16_long_cache():
     out = decode_attention(q, k, v, indices=idx, backend="triton")
     ref = decode_attention(q, k, v, indices=idx, backend="reference")
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_unchecked_out_of_range_selections_are_skipped_like_unused_slots(backend):
+    """``check_indices=False`` (no GPU sync) never reads outside the cache: an out-of-range token or page is skipped
+    like ``-1``; with the check (default) it raises."""
+    q, k, v = cache(1, 4, 2, 64, 16)
+    idx = torch.tensor([[[3, 70, 9, -1], [200, 5, 6, 7]]])
+    clean = torch.where(idx >= 64, -1, idx)
+    out = decode_attention(q, k, v, indices=idx, backend=backend, check_indices=False)
+    torch.testing.assert_close(out, decode_attention(q, k, v, indices=clean, backend=backend), **TOL[torch.float32])
+    pages = torch.tensor([[[0, 9], [3, 1]]])  # 64 tokens = 4 pages of 16: page 9 does not exist
+    out = decode_attention(q, k, v, pages=pages, backend=backend, check_indices=False)
+    expected = decode_attention(q, k, v, pages=torch.where(pages >= 4, -1, pages), backend=backend)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="must lie in"):
+        decode_attention(q, k, v, indices=idx, backend=backend)

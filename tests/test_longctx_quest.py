@@ -155,6 +155,6 @@ def test_dense_layers_read_everything_and_keep_no_page_bounds(sdpa):
     assert dense.last_pages is None and dense.kmin is None and dense.read_fractions == [1.0] * 3
     assert sparse.last_pages is not None and all(f < 0.5 for f in sparse.read_fractions)
     steps = telemetry["kv_read_fraction_per_step"]
-    assert steps == pytest.approx([(1.0 + f) / 2 for f in sparse.read_fractions])
+    assert steps == pytest.approx([(1.0 + float(f)) / 2 for f in sparse.read_fractions])
     assert telemetry["dense_layers"] == 1
     assert telemetry["bookkeeping_bytes"] == 2 * HKV * math.ceil(43 / 4) * D * 4  # the sparse layer's bounds only

@@ -9,13 +9,13 @@ from .backends import resolve_backend
 DECODE_BACKENDS = ("triton", "reference")
 
 
-def _check_index(t: torch.Tensor, name: str, B: int, Hq: int, Hkv: int, limit: int) -> torch.Tensor:
+def _check_index(t: torch.Tensor, name: str, B: int, Hq: int, Hkv: int, limit: int, bounds: bool) -> torch.Tensor:
     if t.dim() != 3 or t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.dtype.is_floating_point:
         raise ValueError(
             f"{name} must be an integer tensor [B, Hkv or Hq, N] = [{B}, {Hkv} or {Hq}, N], got {tuple(t.shape)} "
             f"{t.dtype}"
         )
-    if t.numel() and (int(t.min()) < -1 or int(t.max()) >= limit):
+    if bounds and t.numel() and (int(t.min()) < -1 or int(t.max()) >= limit):
         raise ValueError(f"{name} must lie in [-1, {limit}) (-1 = unused slot); got [{int(t.min())}, {int(t.max())}]")
     return t
 
@@ -68,6 +68,7 @@ def decode_attention(
     scaling: float | None = None,
     num_splits: int | None = None,
     backend: str = "auto",
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over a KV cache, reading only the selected tokens or pages.
 
@@ -99,6 +100,11 @@ def decode_attention(
     backend : {"auto", "triton", "reference"}
         ``"auto"``: Triton on CUDA; on the CPU, SDPA for the whole cache and the reference (PyTorch gather +
         softmax over the selected rows only) for a selection.
+    check_indices : bool
+        Check that ``indices`` / ``pages`` lie in range (default). The check reads their min and max, which on a GPU
+        waits for every queued kernel; callers whose selection is in range by construction (a top-k over the
+        cache's own pages) pass ``False``. Either way no kernel reads outside the cache: an out-of-range entry is
+        skipped like ``-1``.
 
     Returns
     -------
@@ -133,9 +139,9 @@ def decode_attention(
     name = resolve_backend(backend, q.device, DECODE_BACKENDS, "decode_attention")
     idx = None
     if indices is not None:
-        idx = _check_index(indices, "indices", B, Hq, Hkv, S)
+        idx = _check_index(indices, "indices", B, Hq, Hkv, S, check_indices)
     elif pages is not None:
-        idx = pages_to_indices(_check_index(pages, "pages", B, Hq, Hkv, -(-S // page_size)), page_size)
+        idx = pages_to_indices(_check_index(pages, "pages", B, Hq, Hkv, -(-S // page_size), check_indices), page_size)
     if cache_seqlens is None:
         lens = torch.full((B,), S, dtype=torch.int32, device=q.device)
     else:

@@ -71,8 +71,9 @@ class QuestLayer(AttentionOwningLayer):
         touches.
     last_pages : torch.Tensor or None
         int64 [B, Hkv, k] the pages the last decode step read (``None`` when it read the whole cache).
-    read_fractions : list of float
-        Per decode step, the fraction of the held K/V rows read (mean over rows and KV heads).
+    read_fractions : list of float or 0-d tensor
+        Per decode step, the fraction of the held K/V rows read (mean over rows and KV heads); kept as a tensor on the
+        cache's device until the telemetry reads it, so that decoding never waits for the GPU.
     dense : bool
         A layer Quest leaves dense (the first ``dense_layers``): every step reads the whole cache, no page bounds.
     """
@@ -136,9 +137,10 @@ class QuestLayer(AttentionOwningLayer):
         pages = self.select_pages(query)
         self.last_pages = pages
         rows = (T - pages * self.page_size).clamp(max=self.page_size)  # tokens in each selected page
-        self.read_fractions.append(float(rows.sum(-1).float().mean()) / T)
+        self.read_fractions.append(rows.sum(-1).float().mean() / T)  # a 0-d tensor: no GPU sync per layer and step
+        # pages come from a top-k over this cache's own pages: in range by construction, so skip the bounds check
         return decode_attention(query, self.keys, self.values, pages=pages, page_size=self.page_size,
-                                scaling=scaling)
+                                scaling=scaling, check_indices=False)
 
     def bookkeeping_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.kmin, self.kmax) if t is not None]
@@ -222,7 +224,7 @@ class Quest(KVMethod):
         (a warning when every step read everything)."""
         layers = [l for l in getattr(cache, "layers", []) if isinstance(l, QuestLayer)]
         steps = min((len(l.read_fractions) for l in layers), default=0)
-        per_step = [sum(l.read_fractions[i] for l in layers) / len(layers) for i in range(steps)]
+        per_step = [sum(float(l.read_fractions[i]) for l in layers) / len(layers) for i in range(steps)]
         warnings = list(getattr(cache, "warnings", []))
         if per_step and min(per_step) >= 1.0:
             warnings.append(f"budget {self.budget if self.ratio is None else f'ratio {self.ratio}'} covers the "
