@@ -7,6 +7,7 @@ recomputes the step's post-RoPE queries (``q_proj`` + transformers' ``apply_rota
 
 - ``quest``: Quest's top pages by the min/max upper bound (:func:`mmaccel.longctx.quest.quest_page_scores`, summed
   over the GQA group, the newest page always included), as ``quest:ratio=R`` reads them;
+- ``quest_group_max``: the same bound, but the maximum over the group's query heads instead of the sum;
 - ``oracle``: the same number of pages ranked by the true attention mass they receive (summed over the group).
 
 It reports the needle-digit recall of both (the fraction of the answer's digit tokens whose page is read), overall
@@ -91,11 +92,12 @@ def study_document(model, tok, length: int, depth: float, seed: int, ratios, pag
             P = -(-T // page_size)
             page_mass = torch.zeros(Hkv, P).index_add_(1, torch.arange(T) // page_size, attn)
             lo, hi = page_bounds(k_t[None], page_size)
-            bound = quest_page_scores(q.float(), lo, hi)[0]  # [Hkv, P]
+            bound = quest_page_scores(q.float(), lo, hi)[0]  # [Hkv, P], summed over the group
+            bound_max = quest_page_scores(q.float(), lo, hi, group="max")[0]
             digit_pages = digits // page_size
             for ratio in ratios:
                 k = min(P, max(1, math.ceil(math.ceil(ratio * T) / page_size)))
-                for name, scores in (("quest", bound), ("oracle", page_mass)):
+                for name, scores in (("quest", bound), ("quest_group_max", bound_max), ("oracle", page_mass)):
                     sel = page_selection(scores, k)
                     recall = sel[:, digit_pages].float().mean(-1)  # [Hkv]
                     kept = (page_mass * sel).sum(-1) / g  # attention mass read, mean over the group
@@ -111,7 +113,7 @@ def summarize(docs: list[dict], ratios, mass: float) -> dict:
     """Mean digit recall and attention mass read per (ratio, selector), over all heads and over retrieval heads."""
     out = {}
     for ratio in ratios:
-        for name in ("quest", "oracle"):
+        for name in ("quest", "quest_group_max", "oracle"):
             rows = [r for d in docs for r in d["rows"] if r["ratio"] == ratio and r["selector"] == name]
             hot = [r for r in rows if r["digit_mass"] >= mass]
             out[f"{name}@{ratio}"] = {
