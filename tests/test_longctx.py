@@ -197,6 +197,17 @@ def test_snapkv_selection_hand_computed():
     assert idx[0, 0].tolist() == [0, 1, 2, 6, 7]
 
 
+def test_snapkv_group_max_keeps_what_one_query_head_needs():
+    """Two query heads share a KV head: by their mean slot 0 wins (4 vs 3.5); by their maximum slot 1 (7 vs 4)."""
+    scores = torch.tensor([[[4.0, 0.0, 9.0], [4.0, 7.0, 9.0]]])  # [B=1, Hq=2, L=3], the last slot is the window
+    kw = dict(budget=2, window=1, num_kv_heads=1, kernel_size=1)
+    assert snapkv_keep_indices(scores, **kw).tolist() == [[[0, 2]]]
+    assert snapkv_keep_indices(scores, group="max", **kw).tolist() == [[[1, 2]]]
+    assert build_method("snapkv:ratio=0.25:group=max").group == "max"
+    with pytest.raises(ValueError, match="group must be 'mean' or 'max'"):
+        build_method("snapkv:group=median")
+
+
 def test_snapkv_prefill_keeps_what_eager_attention_says(eager):
     """Kept slots per layer and KV head equal a selection from the model's own eager attention probabilities
     (output_attentions), which checks the recomputed queries (q_proj, RoPE) and the column scores."""

@@ -191,10 +191,41 @@ def mean_over_query_groups(scores: torch.Tensor, num_kv_heads: int) -> torch.Ten
     ValueError
         If ``Hq`` is not a multiple of ``num_kv_heads``.
     """
+    return query_group_scores(scores, num_kv_heads, "mean")
+
+
+def query_group_scores(scores: torch.Tensor, num_kv_heads: int, group: str = "mean") -> torch.Tensor:
+    """Combine per-query-head scores within each GQA group into one score per KV head: their mean or their maximum.
+
+    ``"max"`` keeps a slot that one query head of the group needs even if the others ignore it (the reduction that
+    finds the needle more often for Quest's page bounds on smollm2-135m; ``benchmarks/quest_recall.py``).
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        [B, Hq, L] scores per query head (query head ``h`` belongs to KV head ``h // (Hq // num_kv_heads)``).
+    num_kv_heads : int
+        Number of key/value heads ``Hkv``.
+    group : {"mean", "max"}
+        The reduction over a group's query heads.
+
+    Returns
+    -------
+    torch.Tensor
+        [B, Hkv, L], same dtype as ``scores``.
+
+    Raises
+    ------
+    ValueError
+        If ``Hq`` is not a multiple of ``num_kv_heads``, or ``group`` is unknown.
+    """
     B, Hq, L = scores.shape
     if Hq % num_kv_heads:
         raise ValueError(f"{Hq} query heads are not a multiple of {num_kv_heads} KV heads")
-    return scores.reshape(B, num_kv_heads, Hq // num_kv_heads, L).mean(dim=2)
+    if group not in ("mean", "max"):
+        raise ValueError(f"group must be 'mean' or 'max' (how a GQA group's query heads combine), got {group!r}")
+    grouped = scores.reshape(B, num_kv_heads, Hq // num_kv_heads, L)
+    return grouped.amax(dim=2) if group == "max" else grouped.mean(dim=2)
 
 
 def topk_keep_indices(scores: torch.Tensor, keep: int, *, tail: int = 0) -> torch.Tensor:

@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention_column_scores
-from .base import KVScorer, LayerStep, _check_int, mean_over_query_groups, topk_keep_indices
+from .base import KVScorer, LayerStep, _check_int, query_group_scores, topk_keep_indices
 
 _POOLINGS = ("avg", "max")
 
 
 def snapkv_scores(
-    column: torch.Tensor, *, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg"
+    column: torch.Tensor, *, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg",
+    group: str = "mean",
 ) -> torch.Tensor:
-    """SnapKV's slot scores from the window's column scores: pool the prefix, average per GQA group, window = inf.
+    """SnapKV's slot scores from the window's column scores: pool the prefix, combine per GQA group, window = inf.
 
     Parameters
     ----------
@@ -32,6 +33,8 @@ def snapkv_scores(
         Odd 1-D pooling kernel over the prefix (stride 1, "same" padding, zeros outside); 1 = no pooling.
     pooling : {"avg", "max"}
         Pooling type.
+    group : {"mean", "max"}
+        How a GQA group's query heads combine (:func:`~mmaccel.longctx.base.query_group_scores`); SnapKV averages.
 
     Returns
     -------
@@ -43,13 +46,14 @@ def snapkv_scores(
     if kernel_size > 1 and prefix.shape[-1] > 0:
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
         prefix = pool(prefix.reshape(B * Hq, 1, -1), kernel_size, stride=1, padding=kernel_size // 2).reshape(B, Hq, -1)
-    per_kv_head = mean_over_query_groups(prefix, num_kv_heads)
+    per_kv_head = query_group_scores(prefix, num_kv_heads, group)
     tail = per_kv_head.new_full((B, num_kv_heads, L - prefix.shape[-1]), float("inf"))
     return torch.cat([per_kv_head, tail], dim=-1)
 
 
 def snapkv_keep_indices(
-    scores: torch.Tensor, *, budget: int, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg"
+    scores: torch.Tensor, *, budget: int, window: int, num_kv_heads: int, kernel_size: int = 7, pooling: str = "avg",
+    group: str = "mean",
 ) -> torch.Tensor:
     """SnapKV's selection (:func:`snapkv_scores`, then the base's top-k): top ``budget - window`` prefix + window.
 
@@ -59,7 +63,7 @@ def snapkv_keep_indices(
         [B, Hq, L] window column scores per query head.
     budget : int
         Slots kept per row and KV head, ``window <= budget <= L``.
-    window, num_kv_heads, kernel_size, pooling
+    window, num_kv_heads, kernel_size, pooling, group
         See :func:`snapkv_scores`.
 
     Returns
@@ -67,7 +71,8 @@ def snapkv_keep_indices(
     torch.LongTensor
         [B, Hkv, budget] kept slot indices, ascending.
     """
-    slot = snapkv_scores(scores, window=window, num_kv_heads=num_kv_heads, kernel_size=kernel_size, pooling=pooling)
+    slot = snapkv_scores(scores, window=window, num_kv_heads=num_kv_heads, kernel_size=kernel_size, pooling=pooling,
+                         group=group)
     return topk_keep_indices(slot, budget)
 
 
@@ -94,6 +99,9 @@ class SnapKV(KVScorer):
         Odd pooling kernel, >= 1 (default 7).
     pooling : {"avg", "max"}
         Pooling type (default "avg", as in the reference implementation).
+    group : {"mean", "max"}
+        How the query heads of a GQA group combine their scores (default "mean", as in SnapKV and kvpress; "max"
+        keeps what any one of them needs).
 
     Notes
     -----
@@ -113,6 +121,7 @@ class SnapKV(KVScorer):
     window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"
+    group: str = "mean"
 
     method_name = "snapkv"
     supports_speculative = True  # prefill-only: the speculative engine can crop its decode slots
@@ -128,6 +137,9 @@ class SnapKV(KVScorer):
             )
         if self.kernel_size % 2 == 0:
             raise ValueError(f"{self.method_name}: kernel_size must be odd, got {self.kernel_size}; e.g. kernel_size=7")
+        if self.group not in ("mean", "max"):
+            raise ValueError(f"{self.method_name}: group must be 'mean' or 'max', got {self.group!r}; e.g. "
+                             f"{self.method_name}:group=max")
         if self.pooling not in _POOLINGS:
             raise ValueError(f"{self.method_name}: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
 
@@ -146,4 +158,5 @@ class SnapKV(KVScorer):
             num_kv_heads=step.num_kv_heads,
             kernel_size=self.kernel_size,
             pooling=self.pooling,
+            group=self.group,
         )
