@@ -171,26 +171,8 @@ def has_padding(attention_mask) -> bool:
 
 # --------------------------------------------------------------------------------------------------- scoring helpers
 def mean_over_query_groups(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Average per-query-head scores within each GQA group, giving one score per KV head.
-
-    Parameters
-    ----------
-    scores : torch.Tensor
-        [B, Hq, L] scores per query head; ``Hq`` must be a multiple of ``num_kv_heads``. Query head ``h`` belongs to
-        KV head ``h // (Hq // num_kv_heads)`` (the ``repeat_kv`` layout of HF models).
-    num_kv_heads : int
-        Number of key/value heads ``Hkv``.
-
-    Returns
-    -------
-    torch.Tensor
-        [B, Hkv, L], same dtype as ``scores``.
-
-    Raises
-    ------
-    ValueError
-        If ``Hq`` is not a multiple of ``num_kv_heads``.
-    """
+    """Average per-query-head scores [B, Hq, L] within each GQA group, giving [B, Hkv, L]: ``query_group_scores``
+    with ``group="mean"`` (see it for the layout and the errors)."""
     return query_group_scores(scores, num_kv_heads, "mean")
 
 
