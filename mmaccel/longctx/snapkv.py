@@ -101,7 +101,8 @@ class SnapKV(KVScorer):
         Pooling type (default "avg", as in the reference implementation).
     group : {"mean", "max"}
         How the query heads of a GQA group combine their scores (default "mean", as in SnapKV and kvpress; "max"
-        keeps what any one of them needs).
+        keeps what any one of them needs). Unlike Quest's page bounds, SnapKV does not gain from "max" on
+        smollm2-135m at 4k: 5/10 NIAH documents at 25% against 7/10 for "mean", 4/10 both at 10%.
 
     Notes
     -----
