@@ -74,8 +74,8 @@ transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_de
     --methods full longheads longheads:window=4096
   step 150 niah4k_budgets $PY -m mmaccel niah --model smollm2-135m --device cuda --dtype bfloat16 --lengths 4096 \
     --depths 0.1 0.3 0.5 0.7 0.9 --trials 4 --no-progress --out "$OUT/niah4k_budgets" --methods full \
-    snapkv:ratio=0.1 snapkv:ratio=0.25 pyramidkv:ratio=0.1 pyramidkv:ratio=0.25 quest:ratio=0.1 quest:ratio=0.25 \
-    quest:ratio=0.25:dense_layers=0
+    snapkv:ratio=0.1 snapkv:ratio=0.25 pyramidkv:ratio=0.1 pyramidkv:ratio=0.25 quest:ratio=0.25 \
+    quest:ratio=0.19:group=max:page_size=8 quest:ratio=0.1:group=max:page_size=8
   ;;
 esac
 # At most 8 files come back: fold each output folder into one archive.
