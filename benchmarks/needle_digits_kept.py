@@ -24,6 +24,13 @@ from mmaccel.data.haystack import make_niah_sample
 from mmaccel.longctx import build_method
 
 
+def needle_digit_positions(tokenizer, sample, input_ids: torch.Tensor) -> list[int]:
+    """Positions in ``input_ids`` [1, L] of the tokens of ``sample``'s first needle that are digits."""
+    needle = tokenizer.encode(" " + sample.needles[0].text(), add_special_tokens=False)
+    span = range(sample.needle_position, sample.needle_position + len(needle))
+    return [p for p in span if tokenizer.decode([input_ids[0, p]]).strip().isdigit()]
+
+
 def digits_kept(model, tokenizer, spec: str, input_ids: torch.Tensor, digit_positions: list[int],
                 max_new_tokens: int = 8) -> dict:
     """Generate greedily through ``spec``'s cache; return the output text and, per digit position, the fraction of
@@ -59,9 +66,7 @@ def main(argv=None) -> None:
     model, tok = mmaccel.load(args.model, device="cpu")
     sample = make_niah_sample(tok, args.length, args.depth, seed=args.seed, chat_template=True)
     ids = torch.tensor([sample.input_ids])
-    needle = tok.encode(" " + sample.needles[0].text(), add_special_tokens=False)
-    span = range(sample.needle_position, sample.needle_position + len(needle))
-    digits = [p for p in span if tok.decode([ids[0, p]]).strip().isdigit()]
+    digits = needle_digit_positions(tok, sample, ids)
     result = {"document": {"model": args.model, "length": args.length, "depth": args.depth, "seed": args.seed,
                            "answer": sample.answer, "digit_positions": digits},
               "methods": {spec: digits_kept(model, tok, spec, ids, digits) for spec in args.methods}}

@@ -5,9 +5,9 @@ One greedy run with full attention per document. At every decode step a forward 
 recomputes the step's post-RoPE queries (``q_proj`` + transformers' ``apply_rotary_pos_emb`` with the step's
 ``position_embeddings``); the keys are the full cache's. For each (step, layer, KV head) and budget:
 
-- ``quest``: Quest's top pages by the min/max upper bound (:func:`mmaccel.longctx.quest.quest_page_scores`, summed
+- ``quest``: Quest's top pages by the min/max upper bound (:func:`mmaccel.longctx.quest.quest_page_scores`, averaged
   over the GQA group, the newest page always included), as ``quest:ratio=R`` reads them;
-- ``quest_group_max``: the same bound, but the maximum over the group's query heads instead of the sum;
+- ``quest_group_max``: the same bound, but the maximum over the group's query heads instead of the mean;
 - ``oracle``: the same number of pages ranked by the true attention mass they receive (summed over the group).
 
 It reports the needle-digit recall of both (the fraction of the answer's digit tokens whose page is read), overall
@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 
 import torch
+from needle_digits_kept import needle_digit_positions  # benchmarks/ is the script's own folder
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -65,9 +66,7 @@ def study_document(model, tok, length: int, depth: float, seed: int, ratios, pag
                    new_tokens: int) -> dict:
     sample = make_niah_sample(tok, length, depth, seed=seed, chat_template=True)
     ids = torch.tensor([sample.input_ids])
-    needle = tok.encode(" " + sample.needles[0].text(), add_special_tokens=False)
-    span = range(sample.needle_position, sample.needle_position + len(needle))
-    digits = torch.tensor([p for p in span if tok.decode([ids[0, p]]).strip().isdigit()])
+    digits = torch.tensor(needle_digit_positions(tok, sample, ids))
     store, handles = capture_queries(model)
     cache = DynamicCache(config=model.config)
     try:
@@ -92,7 +91,7 @@ def study_document(model, tok, length: int, depth: float, seed: int, ratios, pag
             P = -(-T // page_size)
             page_mass = torch.zeros(Hkv, P).index_add_(1, torch.arange(T) // page_size, attn)
             lo, hi = page_bounds(k_t[None], page_size)
-            bound = quest_page_scores(q.float(), lo, hi)[0]  # [Hkv, P], summed over the group
+            bound = quest_page_scores(q.float(), lo, hi)[0]  # [Hkv, P], averaged over the group
             bound_max = quest_page_scores(q.float(), lo, hi, group="max")[0]
             digit_pages = digits // page_size
             for ratio in ratios:

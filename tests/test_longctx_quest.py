@@ -28,8 +28,8 @@ def test_page_bounds_scores_and_selection_hand_computed():
     kmin, kmax = page_bounds(keys, 2)
     assert kmin[0, 0].tolist() == [[1, -1], [-2, 1], [5, 5]] and kmax[0, 0].tolist() == [[3, 0], [0, 2], [5, 5]]
     query = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])[None, :, None]  # two query heads on one KV head: [1, 2, 1, 2]
-    # page 0: (3 + 0) + (-1 + 0) = 2; page 1: (0 + 2) + (2 + 0) = 4; page 2: (5 + 5) + (-5 + 0) = 5
-    assert quest_page_scores(query, kmin, kmax)[0, 0].tolist() == [2.0, 4.0, 5.0]
+    # page 0: mean of (3 + 0) and (-1 + 0) = 1; page 1: mean of (0 + 2), (2 + 0) = 2; page 2: mean of 10, -5 = 2.5
+    assert quest_page_scores(query, kmin, kmax)[0, 0].tolist() == [1.0, 2.0, 2.5]
     # group="max": head 0 scores [3, 2, 10], head 1 [-1, 2, -5]; their maximum ranks page 0 above page 1
     assert quest_page_scores(query, kmin, kmax, group="max")[0, 0].tolist() == [3.0, 2.0, 10.0]
     by_max = QuestLayer(budget=4, ratio=None, page_size=2, group="max")
@@ -38,7 +38,7 @@ def test_page_bounds_scores_and_selection_hand_computed():
     layer = QuestLayer(budget=4, ratio=None, page_size=2)
     layer.update(keys, keys.clone())
     assert layer.select_pages(query)[0, 0].tolist() == [1, 2]  # the newest page, then the best other page
-    query_low = torch.tensor([[1.0, -1.0], [1.0, -1.0]])[None, :, None]  # page 0: 2 * (3 + 1) = 8 beats page 1
+    query_low = torch.tensor([[1.0, -1.0], [1.0, -1.0]])[None, :, None]  # page 0: 3 + 1 = 4 beats page 1
     assert layer.select_pages(query_low)[0, 0].tolist() == [0, 2]
     layer.budget = 1
     assert layer.select_pages(query_low)[0, 0].tolist() == [2]
@@ -128,7 +128,7 @@ def test_ratio_reads_that_fraction_of_the_context(sdpa):
     ("quest:budget=0", "budget must be an integer >= 1"),
     ("quest:page_size=0", "page_size must be an integer >= 1"),
     ("quest:dense_layers=-1", "dense_layers must be an integer >= 0"),
-    ("quest:group=mean", "group must be 'sum' or 'max'"),
+    ("quest:group=sum", "group must be 'mean' or 'max'"),
     ("quest:budget=64:ratio=0.5", "not both"),
     ("quest:ratio=1.5", "ratio must be a kept fraction"),
 ])

@@ -90,25 +90,21 @@ def attention_column_scores_reference(
             s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
         return s
 
+    def reduced(p: torch.Tensor) -> torch.Tensor:  # [B, Hkv, group, W, n] probabilities -> [B, Hkv, group, n]
+        return p.sum(dim=3) if reduce == "sum" else p.mean(dim=3) if reduce == "mean" else p.amax(dim=3)
+
     if block_size is None:
         block_size = max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
     if block_size >= L:  # one block: one pass
-        p = torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)
-        reduced = p.sum(dim=3) if reduce == "sum" else p.mean(dim=3) if reduce == "mean" else p.amax(dim=3)
-        return reduced.reshape(B, Hq, L)
+        return reduced(torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)).reshape(B, Hq, L)
     lse = torch.full((B, Hkv, group * W), float("-inf"), device=k.device)
     for start in range(0, L, block_size):
         lse = torch.logaddexp(lse, torch.logsumexp(logits(start, min(start + block_size, L)), dim=-1))
     out = torch.empty(B, Hkv, group, L, device=k.device, dtype=torch.float32)
     for start in range(0, L, block_size):
         end = min(start + block_size, L)
-        p = torch.exp(logits(start, end) - lse[..., None]).reshape(B, Hkv, group, W, end - start)
-        if reduce == "sum":
-            out[..., start:end] = p.sum(dim=3)
-        elif reduce == "mean":
-            out[..., start:end] = p.mean(dim=3)
-        else:
-            out[..., start:end] = p.amax(dim=3)
+        out[..., start:end] = reduced(torch.exp(logits(start, end) - lse[..., None]).reshape(B, Hkv, group, W,
+                                                                                                  end - start))
     return out.reshape(B, Hq, L)
 
 

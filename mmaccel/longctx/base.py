@@ -176,6 +176,16 @@ def mean_over_query_groups(scores: torch.Tensor, num_kv_heads: int) -> torch.Ten
     return query_group_scores(scores, num_kv_heads, "mean")
 
 
+GROUP_REDUCTIONS = ("mean", "max")
+
+
+def check_group(owner: str, group: str) -> None:
+    """Raise one clear ``ValueError`` unless ``group`` is one of :data:`GROUP_REDUCTIONS`."""
+    if group not in GROUP_REDUCTIONS:
+        raise ValueError(f"{owner}: group must be 'mean' or 'max' (how a GQA group's query heads combine), got "
+                         f"{group!r}; e.g. {owner}:group=max")
+
+
 def query_group_scores(scores: torch.Tensor, num_kv_heads: int, group: str = "mean") -> torch.Tensor:
     """Combine per-query-head scores within each GQA group into one score per KV head: their mean or their maximum.
 
@@ -204,8 +214,7 @@ def query_group_scores(scores: torch.Tensor, num_kv_heads: int, group: str = "me
     B, Hq, L = scores.shape
     if Hq % num_kv_heads:
         raise ValueError(f"{Hq} query heads are not a multiple of {num_kv_heads} KV heads")
-    if group not in ("mean", "max"):
-        raise ValueError(f"group must be 'mean' or 'max' (how a GQA group's query heads combine), got {group!r}")
+    check_group("query_group_scores", group)
     grouped = scores.reshape(B, num_kv_heads, Hq // num_kv_heads, L)
     return grouped.amax(dim=2) if group == "max" else grouped.mean(dim=2)
 

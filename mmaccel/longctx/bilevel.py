@@ -295,7 +295,8 @@ class BiLevelLayer(AttentionOwningLayer):
         pos = torch.arange(T, device=read.device)
         order = torch.where(read, pos, T).sort(dim=-1).values[..., :int(counts.max())]
         indices = torch.where(order < T, order, -1)
-        return decode_attention(query, self.keys, self.values, indices=indices, scaling=scaling)
+        return decode_attention(query, self.keys, self.values, indices=indices, scaling=scaling,
+                                check_indices=False)  # positions < T by construction: no bounds check, no GPU sync
 
     def _decode_offloaded(self, query: torch.Tensor, dense: torch.Tensor, scaling: float) -> torch.Tensor:
         """Reload the dense chunks picked from the host store; join them to the sink and sparse copies and the
@@ -319,7 +320,8 @@ class BiLevelLayer(AttentionOwningLayer):
                             self.sparse_values[:, :, :m].flatten(2, 3), self.values], dim=2)
         self.read_fractions.append(float(valid.sum(-1).float().mean()) / self.cumulative_length)
         slots = torch.arange(valid.shape[-1], device=valid.device)
-        return decode_attention(query, keys, values, indices=torch.where(valid, slots, -1), scaling=scaling)
+        return decode_attention(query, keys, values, indices=torch.where(valid, slots, -1), scaling=scaling,
+                                check_indices=False)  # slots of the assembled keys by construction
 
     # ----------------------------------------------------------------------------------------------- accounting
     def kv_tensors(self) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention, decode_attention
-from .base import KVMethod, _check_int, _check_ratio, bookkeeping_bytes, kv_cache_bytes
+from .base import KVMethod, _check_int, _check_ratio, bookkeeping_bytes, check_group, kv_cache_bytes, query_group_scores
 from .owned import AttentionOwningLayer, OwnedAttentionCache
 
 
@@ -37,7 +37,7 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return lo, hi
 
 
-def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group: str = "sum") -> torch.Tensor:
+def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group: str = "mean") -> torch.Tensor:
     """Quest's upper bound of each page's attention logit, combined over each KV head's query heads.
 
     Parameters
@@ -46,9 +46,10 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
         [B, Hq, 1, D] the new token's queries; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
     kmin, kmax : torch.Tensor
         [B, Hkv, P, D] per-page key bounds (:func:`page_bounds`).
-    group : {"sum", "max"}
-        How the bounds of a GQA group's query heads combine: their sum, or their maximum (a page one query head
-        needs ranks high even if the group's other heads ignore it).
+    group : {"mean", "max"}
+        How the bounds of a GQA group's query heads combine (:func:`~mmaccel.longctx.base.query_group_scores`):
+        their mean (the ranking of their sum), or their maximum (a page one query head needs ranks high even if the
+        group's other heads ignore it).
 
     Returns
     -------
@@ -60,8 +61,8 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     Hkv = kmin.shape[1]
     q = query.float().reshape(B, Hkv, Hq // Hkv, 1, D)
     lo, hi = kmin.float()[:, :, None], kmax.float()[:, :, None]  # [B, Hkv, 1, P, D]
-    bound = torch.maximum(q * lo, q * hi).sum(-1)  # [B, Hkv, group, P]
-    return bound.amax(2) if group == "max" else bound.sum(2)
+    bound = torch.maximum(q * lo, q * hi).sum(-1)  # [B, Hkv, group, P], query head h = kv head * group + j
+    return query_group_scores(bound.reshape(B, Hq, -1), Hkv, group)
 
 
 class QuestLayer(AttentionOwningLayer):
@@ -84,7 +85,7 @@ class QuestLayer(AttentionOwningLayer):
     """
 
     def __init__(self, budget: int | None, ratio: float | None, page_size: int, dense: bool = False,
-                 group: str = "sum"):
+                 group: str = "mean"):
         super().__init__()
         self.budget, self.ratio, self.page_size, self.dense, self.group = budget, ratio, page_size, dense, group
         self.kmin = self.kmax = None
@@ -163,7 +164,7 @@ class Quest(KVMethod):
 
     The full K/V stays in the cache, in pages of ``page_size`` tokens with the element-wise min and max of each
     page's keys ([B, Hkv, P, D] each, bookkeeping). At a decode step each page gets Quest's upper bound of its
-    attention logit, ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` (summed over the query heads of the GQA group, so a
+    attention logit, ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` (averaged over the query heads of the GQA group, so a
     group reads one set of K/V rows), the best pages up to the token budget are kept, the newest page always, and
     attention reads only them through :func:`mmaccel.kernels.decode_attention` (``pages=``). Prefill is dense, and so
     are the first ``dense_layers`` layers at every step, as in Quest's own evaluation (its first two layers attend to
@@ -185,10 +186,10 @@ class Quest(KVMethod):
         the telemetry's read fraction. The defaults are the paper's; on the GQA model smollm2-135m,
         ``quest:ratio=0.19:group=max:page_size=8`` answers 20/20 NIAH documents at 4k, as full attention does, while
         reading 0.244 of the K/V per step (``benchmarks/results/longctx/smollm2_quest_group_max_4k``).
-    group : {"sum", "max"}
-        How a GQA group's query heads combine their page bounds (:func:`quest_page_scores`): ``"sum"`` (default,
-        Quest's per-head score added over the group) or ``"max"``. On smollm2-135m at 4k, ``"max"`` finds the
-        needle's page for 94% of the retrieving (head, step) pairs at 25% against 91% for ``"sum"``
+    group : {"mean", "max"}
+        How a GQA group's query heads combine their page bounds (:func:`quest_page_scores`): ``"mean"`` (default,
+        Quest's per-head score averaged over the group) or ``"max"``. On smollm2-135m at 4k, ``"max"`` finds the
+        needle's page for 94% of the retrieving (head, step) pairs at 25% against 91% for ``"mean"``
         (``benchmarks/quest_recall.py``).
 
     Notes
@@ -206,7 +207,7 @@ class Quest(KVMethod):
     ratio: float | None = None
     page_size: int = 16
     dense_layers: int = 2
-    group: str = "sum"
+    group: str = "mean"
 
     method_name = "quest"
     uses_hooks = False
@@ -223,9 +224,7 @@ class Quest(KVMethod):
             _check_int(name, "budget", self.budget, 1, f"pass the tokens read per decode step, e.g. {name}:budget=256")
         _check_int(name, "page_size", self.page_size, 1, f"e.g. {name}:page_size=16")
         _check_int(name, "dense_layers", self.dense_layers, 0, f"e.g. {name}:dense_layers=2 (0: every layer sparse)")
-        if self.group not in ("sum", "max"):
-            raise ValueError(f"{name}: group must be 'sum' or 'max' (how a GQA group's bounds combine), got "
-                             f"{self.group!r}; e.g. {name}:group=max")
+        check_group(name, self.group)
 
     def make_layer(self, layer_idx: int) -> QuestLayer:
         return QuestLayer(self.budget, self.ratio, self.page_size, dense=layer_idx < self.dense_layers,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention_column_scores
-from .base import KVScorer, LayerStep, _check_int, query_group_scores, topk_keep_indices
+from .base import KVScorer, LayerStep, _check_int, check_group, query_group_scores, topk_keep_indices
 
 _POOLINGS = ("avg", "max")
 
@@ -138,9 +138,7 @@ class SnapKV(KVScorer):
             )
         if self.kernel_size % 2 == 0:
             raise ValueError(f"{self.method_name}: kernel_size must be odd, got {self.kernel_size}; e.g. kernel_size=7")
-        if self.group not in ("mean", "max"):
-            raise ValueError(f"{self.method_name}: group must be 'mean' or 'max', got {self.group!r}; e.g. "
-                             f"{self.method_name}:group=max")
+        check_group(self.method_name, self.group)
         if self.pooling not in _POOLINGS:
             raise ValueError(f"{self.method_name}: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
 
