@@ -32,6 +32,7 @@ COMPRESSING = {
     "h2o": "h2o:budget=12:recent=4",
     "tova": "tova:budget=12",
     "knorm": "knorm:budget=12",
+    "chunkkv": "chunkkv:chunk=4:method=snapkv,budget=12,window=4",
 }
 UNBOUNDED = {
     "streaming": "streaming:window=1000",
@@ -41,6 +42,7 @@ UNBOUNDED = {
     "tova": "tova:budget=1000",
     "knorm": "knorm:budget=1000",
     "chunked": "chunked:chunk=7:method=snapkv,budget=1000",
+    "chunkkv": "chunkkv:method=snapkv,budget=1000",
 }
 
 

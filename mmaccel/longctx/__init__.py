@@ -25,6 +25,7 @@ from .base import (
 )
 from .bilevel import BiLevel
 from .chunked import Chunked
+from .chunkkv import ChunkKV
 from .full import FullAttention
 from .h2o import H2O
 from .head_pattern import HeadPattern, available_head_patterns, load_head_pattern
@@ -54,6 +55,7 @@ METHODS: dict[str, type[KVMethod]] = {
     # "quest" once tests/test_longctx.py stops using it as its example of an unknown name
     "quest": Quest,
     "adakv": AdaKV,
+    "chunkkv": ChunkKV,
     "kvquant": KVQuant,
     "bilevel": BiLevel,
     "longheads": LongHeads,
@@ -91,6 +93,7 @@ __all__ = [
     "RazorAttention",
     "Quest",
     "AdaKV",
+    "ChunkKV",
     "KVQuant",
     "LongHeads",
     "BiLevel",

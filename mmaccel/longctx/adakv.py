@@ -12,9 +12,9 @@ import torch
 
 from ..kernels import attention
 from ..kernels.dense import causal_mask
-from .base import EvictingLayer, KVScorer, LayerStep, held_tokens
-from .chunked import resolve_inner
+from .base import EvictingLayer, LayerStep, held_tokens
 from .owned import AttentionOwningLayer, OwnedAttentionCache
+from .wrapper import ScorerWrapper
 
 
 def adakv_keep_indices(scores: torch.Tensor, keep: int, alpha: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +96,7 @@ class RaggedLayer(EvictingLayer, AttentionOwningLayer):
 
 
 @dataclass(init=False)
-class AdaKV(KVScorer):
+class AdaKV(ScorerWrapper):
     """AdaKV (Feng et al., 2024, arXiv 2407.11550): head-wise budgets over any scorer, ``AdaKV(SnapKV(...))``.
 
     The wrapped scorer scores the held slots as usual ([B, Hkv, S]); instead of ``budget`` slots per KV head, each
@@ -129,7 +129,6 @@ class AdaKV(KVScorer):
         If ``method`` is not a scorer, ``alpha`` is out of range, or budget/ratio disagree with the scorer's.
     """
 
-    method: object = "snapkv"
     alpha: float = 0.2
 
     method_name = "adakv"
@@ -140,27 +139,12 @@ class AdaKV(KVScorer):
         self.__post_init__()
 
     def __post_init__(self):
-        inner = resolve_inner(self.method, "adakv")
-        if not isinstance(inner, KVScorer) or isinstance(inner, AdaKV):
-            raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
-                f"adakv wraps a scored method (snapkv, pyramidkv, h2o, tova, knorm, streaming), got {inner.name}")
-        for name in ("budget", "ratio"):
-            mine = getattr(self, name)
-            if mine is not None and mine != getattr(inner, name):
-                raise ValueError(f"adakv: {name}={mine} differs from the wrapped method's ({getattr(inner, name)}); "
-                                 f"set it on the method, e.g. adakv:method={inner.name},{name}={mine}")
+        self.resolve()
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
             raise ValueError(f"adakv: alpha must be in [0, 1], got {self.alpha!r}; e.g. adakv:alpha=0.2")
-        self.method = inner
-        self.budget, self.ratio = inner.budget, inner.ratio
 
-    @property
-    def spec(self) -> str:
-        return f"adakv:method={self.method.spec.replace(':', ',')}:alpha={self.alpha}"
-
-    @property
-    def evicts_on_decode(self) -> bool:
-        return self.method.evicts_on_decode
+    def own_spec(self) -> str:
+        return f":alpha={self.alpha}"
 
     def make_layer(self, layer_idx: int) -> RaggedLayer:
         return RaggedLayer()
@@ -168,16 +152,6 @@ class AdaKV(KVScorer):
     def make_cache(self, model: torch.nn.Module) -> OwnedAttentionCache:
         """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
         return OwnedAttentionCache(model, self)
-
-    # the wrapped scorer decides what and how much; AdaKV decides where
-    def observe(self, step: LayerStep) -> None:
-        self.method.observe(step)
-
-    def min_budget(self, step: LayerStep) -> int:
-        return self.method.min_budget(step)
-
-    def layer_budget(self, step: LayerStep) -> int:
-        return self.method.layer_budget(step)
 
     def score(self, step: LayerStep) -> torch.Tensor:
         scores = self.method.score(step).float()
