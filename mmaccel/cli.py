@@ -323,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attn", dest="attn_implementation", default=None, help="attention implementation")
+    p.add_argument("--packed-linear", action="store_true",
+                   help="CPU, float32: run every method and the baseline with the target's linear layers prepacked "
+                        "for oneDNN, so a forward of a few tokens costs about one token's (mmaccel.kernels."
+                        "PackedLinears)")
     p.add_argument("--out", default="runs/spec-bench", help="output folder (default runs/spec-bench)")
     p.set_defaults(func=cmd_spec_bench)
     return parser
@@ -734,13 +738,14 @@ def cmd_spec_bench(args) -> int:
     result = run_spec_bench(
         model, tokenizer, args.methods, prompts=args.prompts, n_prompts=args.n_prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, temperature=args.temperature,
-        draft=args.draft, chat_template=chat, seed=args.seed, out_dir=args.out,
+        draft=args.draft, chat_template=chat, seed=args.seed, out_dir=args.out, packed_linear=args.packed_linear,
     )
     cfg = result.summary["config"]
     load = result.records[0].load_avg_1m if result.records else None
     print(f"spec-bench: model {args.model}, draft {args.draft or 'micro-draft'}, {cfg['n_prompts']} prompts per set, "
           f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']:g}, device {cfg['device']}, "
-          f"{cfg['threads']} threads, load average {load} at start; median of {cfg['repeats']} runs after "
+          f"{cfg['threads']} threads{', packed linear layers' if cfg['packed_linear'] else ''}, load average {load} "
+          f"at start; median of {cfg['repeats']} runs after "
           f"{cfg['warmup']} warm-up")
     print(result.to_markdown())
     print(f"wrote {Path(args.out) / 'results.jsonl'} and summary.json")

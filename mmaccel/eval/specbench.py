@@ -30,11 +30,13 @@ import logging
 import random
 import statistics
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..kernels.packed_linear import PackedLinears
 from .generation import RunRecord, generate_measured, load_average, resolve_methods
 
 logger = logging.getLogger(__name__)
@@ -248,6 +250,7 @@ def run_spec_bench(
     seed: int = 0,
     baseline: str = BASELINE,
     out_dir=None,
+    packed_linear: bool = False,
 ) -> SpecBenchResult:
     """Run every method and the autoregressive baseline on the same prompts; Spec-Bench's table and identity check.
 
@@ -280,6 +283,10 @@ def run_spec_bench(
         The autoregressive reference, run first on every prompt (default ``"full"``: plain ``generate``).
     out_dir : path, optional
         Writes ``results.jsonl`` (one record per line, appended as it goes) and ``summary.json``.
+    packed_linear : bool
+        Run everything, the baseline included, with the target's linear layers prepacked for oneDNN
+        (:class:`~mmaccel.kernels.PackedLinears`; float32 CPU only), so that a verification forward of a few tokens
+        costs about one token's, as on a GPU. The originals are put back at the end.
 
     Returns
     -------
@@ -290,8 +297,18 @@ def run_spec_bench(
     ValueError
         Before any run: an unknown method or argument, a draft length ``<= 0``, ``temperature < 0``, a draft model
         with another vocabulary or tokenizer, an unknown prompt set, ``n_prompts``/``max_new_tokens``/``repeats``
-        ``< 1`` or ``warmup < 0``.
+        ``< 1`` or ``warmup < 0``; with ``packed_linear``, a model that is not float32 on the CPU.
     """
+    with PackedLinears(model) if packed_linear else nullcontext():
+        result = _run_spec_bench(model, tokenizer, methods, prompts=prompts, n_prompts=n_prompts,
+                                 max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
+                                 temperature=temperature, draft=draft, chat_template=chat_template, seed=seed,
+                                 baseline=baseline, out_dir=out_dir, packed_linear=packed_linear)
+    return result
+
+
+def _run_spec_bench(model, tokenizer, methods, *, prompts, n_prompts, max_new_tokens, repeats, warmup, temperature,
+                    draft, chat_template, seed, baseline, out_dir, packed_linear) -> SpecBenchResult:
     if temperature is None or not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
@@ -353,6 +370,7 @@ def run_spec_bench(
     summary["config"] = {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup,
                          "temperature": temperature, "n_prompts": n_prompts, "prompt_sets": sets,
                          "chat_template": chat_template, "seed": seed, "threads": torch.get_num_threads(),
+                         "packed_linear": packed_linear,
                          "load_avg_1m_end": load_average(),
                          "device": records[0].device if records else "", "dtype": records[0].dtype if records else ""}
     if out_path is not None:

@@ -8,6 +8,7 @@ Plain functions, each with a PyTorch reference and a ``backend="auto" | "flash" 
 - :func:`decode_attention`: single-token decode over selected tokens or pages, split-K.
 - :func:`attention_column_scores`: attention each key receives from a window of queries, O(L * block) memory.
 - :func:`tree_attention`: token-tree verification for speculative decoding.
+- :class:`PackedLinears`: CPU linear layers prepacked for oneDNN, so a few-token forward costs about one token's.
 - :func:`register_attention` / :func:`attention_patterns`: run a transformers model on this layer.
 """
 from .backends import available_backends
@@ -15,6 +16,7 @@ from .column_scores import attention_column_scores
 from .decode import decode_attention
 from .dense import attention
 from .hf import attention_patterns, register_attention
+from .packed_linear import PackedLinear, PackedLinears, packed_linear_available
 from .patterns import BlockSparse, Chunked, Dense, HeadPatterns, Streaming
 from .sparse_prefill import sparse_prefill_attention
 from .tree import tree_attention
@@ -24,12 +26,15 @@ __all__ = [
     "Chunked",
     "Dense",
     "HeadPatterns",
+    "PackedLinear",
+    "PackedLinears",
     "Streaming",
     "attention",
     "attention_column_scores",
     "attention_patterns",
     "available_backends",
     "decode_attention",
+    "packed_linear_available",
     "register_attention",
     "sparse_prefill_attention",
     "tree_attention",
