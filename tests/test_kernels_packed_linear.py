@@ -42,15 +42,26 @@ def test_packed_linears_swaps_one_instance_and_puts_everything_back():
     assert model.get_output_embeddings().weight is head_weight
 
 
-def test_lossless_speculative_decoding_stays_identical_with_packed_layers():
+def test_lossless_speculative_decoding_stays_identical_with_packed_target_and_draft(monkeypatch):
     model, tok = tiny_model_and_tokenizer()
-    res = run_spec_bench(model, tok, ["prompt_lookup", "jacobi"], prompts="copy", n_prompts=1, max_new_tokens=12,
-                         repeats=1, warmup=0, packed_linear=True)
+    draft = tiny_llama(layers=1, heads=4, kv_heads=2, head_dim=16, max_positions=2048, tokenizer=tok, seed=3)
+    packed_during_run = []
+    real_enter = PackedLinears.__enter__
+
+    def spy(self):
+        out = real_enter(self)
+        packed_during_run.append([type(m).__name__ for m in (model.lm_head, draft.lm_head)])
+        return out
+
+    monkeypatch.setattr(PackedLinears, "__enter__", spy)
+    res = run_spec_bench(model, tok, ["draft", "prompt_lookup"], prompts="copy", n_prompts=1, max_new_tokens=12,
+                         repeats=1, warmup=0, draft=draft, packed_linear=True)
+    assert packed_during_run == [["PackedLinear", "PackedLinear"]]  # the target and the draft model
     assert res.summary["config"]["packed_linear"] is True
-    for label in ("prompt_lookup", "jacobi"):
+    for label in ("draft", "prompt_lookup"):
         row = res.summary["sets"]["copy"][label]
         assert row["failed"] == 0 and row["identical"] == row["compared"] == 1
-    assert all(type(m) is not PackedLinear for m in model.modules())  # put back after the bench
+    assert not any(type(m) is PackedLinear for m in [*model.modules(), *draft.modules()])  # put back
 
 
 def test_what_cannot_be_packed_raises_before_anything_is_swapped():
@@ -58,3 +69,12 @@ def test_what_cannot_be_packed_raises_before_anything_is_swapped():
     with pytest.raises(ValueError, match="packs float32 CPU layers"), PackedLinears(model):
         pass
     assert all(type(m) is torch.nn.Linear for m in model)
+
+
+def test_drafters_name_the_networks_they_run():
+    from mmaccel.speculative import build_speculative_method
+    from mmaccel.speculative.eagle import EagleHead
+
+    assert build_speculative_method("prompt_lookup").draft_modules() == []
+    cascade = build_speculative_method("cascade:then_k=3")  # prompt lookup, then the committed smollm2 EAGLE head
+    assert [type(m) for m in cascade.draft_modules()] == [EagleHead]

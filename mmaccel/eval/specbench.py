@@ -284,9 +284,10 @@ def run_spec_bench(
     out_dir : path, optional
         Writes ``results.jsonl`` (one record per line, appended as it goes) and ``summary.json``.
     packed_linear : bool
-        Run everything, the baseline included, with the target's linear layers prepacked for oneDNN
-        (:class:`~mmaccel.kernels.PackedLinears`; float32 CPU only), so that a verification forward of a few tokens
-        costs about one token's, as on a GPU. The originals are put back at the end.
+        Run everything, the baseline included, with the linear layers of the target and of the drafts (a draft
+        model, an EAGLE head, transformers' assistant) prepacked for oneDNN (:class:`~mmaccel.kernels.PackedLinears`;
+        float32 CPU only), so that a verification forward of a few tokens costs about one token's, as on a GPU. The
+        originals are put back at the end.
 
     Returns
     -------
@@ -299,16 +300,6 @@ def run_spec_bench(
         with another vocabulary or tokenizer, an unknown prompt set, ``n_prompts``/``max_new_tokens``/``repeats``
         ``< 1`` or ``warmup < 0``; with ``packed_linear``, a model that is not float32 on the CPU.
     """
-    with PackedLinears(model) if packed_linear else nullcontext():
-        result = _run_spec_bench(model, tokenizer, methods, prompts=prompts, n_prompts=n_prompts,
-                                 max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
-                                 temperature=temperature, draft=draft, chat_template=chat_template, seed=seed,
-                                 baseline=baseline, out_dir=out_dir, packed_linear=packed_linear)
-    return result
-
-
-def _run_spec_bench(model, tokenizer, methods, *, prompts, n_prompts, max_new_tokens, repeats, warmup, temperature,
-                    draft, chat_template, seed, baseline, out_dir, packed_linear) -> SpecBenchResult:
     if temperature is None or not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
@@ -320,11 +311,22 @@ def _run_spec_bench(model, tokenizer, methods, *, prompts, n_prompts, max_new_to
             raise ValueError(f"unknown prompt set {s!r}; choose free, copy or both")
     methods = [methods] if isinstance(methods, str) else list(methods)
     resolved = resolve_methods([baseline] + [m for m in methods if m != baseline], draft=draft)
-    base_label = resolved[0][1]
     for obj, _ in resolved:
         prepare = getattr(obj, "prepare", None)
         if callable(prepare) and hasattr(obj, "timed_generate"):
             prepare(model, tokenizer)  # loads drafts once; refuses another vocabulary before any run
+    drafts = [m for obj, _ in resolved for m in getattr(obj, "draft_modules", list)()]
+    with PackedLinears(model, *drafts) if packed_linear else nullcontext():
+        return _measure(model, tokenizer, resolved, sets, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+                        repeats=repeats, warmup=warmup, temperature=temperature, chat_template=chat_template,
+                        seed=seed, out_dir=out_dir, packed_linear=packed_linear)
+
+
+def _measure(model, tokenizer, resolved, sets, *, n_prompts, max_new_tokens, repeats, warmup, temperature,
+             chat_template, seed, out_dir, packed_linear) -> SpecBenchResult:
+    """The runs of :func:`run_spec_bench`, after its checks (``resolved``: its (method, label) pairs, baseline
+    first)."""
+    base_label = resolved[0][1]
     prompt_sets = {s: build_prompt_set(tokenizer, s, n=n_prompts, chat_template=chat_template, seed=seed)
                    for s in sets}
 

@@ -97,6 +97,11 @@ class Drafter:
             If the drafter cannot serve this target (e.g. a different vocabulary).
         """
 
+    def draft_modules(self) -> list[torch.nn.Module]:
+        """The networks this drafter runs (a draft model, an EAGLE head), for whole-model transforms such as
+        :class:`~mmaccel.kernels.PackedLinears`; none by default (prompt lookup, Jacobi: the target drafts)."""
+        return []
+
     def propose(self, sequences: torch.Tensor, attention_mask: torch.Tensor, k: int, sampler: Sampler,
                 generator: torch.Generator | None = None) -> Draft:
         """Propose up to ``k`` tokens to follow ``sequences``.

@@ -61,6 +61,10 @@ class Cascade(Drafter):
         self.then_k = then_k
         self.lossless = self.first.lossless and self.then.lossless
 
+    def draft_modules(self) -> list:
+        """Both drafters' networks."""
+        return [*self.first.draft_modules(), *self.then.draft_modules()]
+
     def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
         """Begin both drafters (errors as theirs)."""
         self.first.begin(target, input_ids, attention_mask, sampler)

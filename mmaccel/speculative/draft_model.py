@@ -106,6 +106,10 @@ class DraftModel(Drafter):
             self.model, self.tokenizer = load(self.model_ref, device=str(target.device), dtype=dtype)
         logger.info("loaded draft model %s", self.model_ref)
 
+    def draft_modules(self) -> list:
+        """The draft model, once loaded (:meth:`begin`, or the harness's ``prepare``)."""
+        return [] if self.model is None else [self.model]
+
     def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
         """Load the draft if needed, check its vocabulary against the target's (once per target, draft and tokenizer
         objects), start a fresh draft cache.

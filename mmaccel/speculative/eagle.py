@@ -395,6 +395,10 @@ class Eagle(Drafter):
         else:  # a verification: kept in part at observe()
             self._captured = hidden
 
+    def draft_modules(self) -> list[nn.Module]:
+        """The head (the embedding and LM head it reads are the target's)."""
+        return [self.head]
+
     def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
         """Check the head against the target, hook the target's decoder (its prefill features are caught next),
         start a fresh head cache.

@@ -94,6 +94,10 @@ class SpeculativeMethod:
         self.name = drafter.name
         self.lossless = bool(getattr(drafter, "lossless", True))
 
+    def draft_modules(self) -> list:
+        """The drafter's networks (:meth:`~mmaccel.speculative.Drafter.draft_modules`)."""
+        return self.drafter.draft_modules()
+
     def prepare(self, model, tokenizer) -> None:
         """Load a named draft model once and check it against the target (vocabulary, BOS/EOS, tokenizer).
 
@@ -330,6 +334,10 @@ class HFAssisted(TransformersPeer):
             self.model, self.tokenizer = _load_draft(self.model_ref, model)
             logger.info("loaded assistant model %s", self.model_ref)
         check_same_vocabulary(self.model, model, self.tokenizer, tokenizer)
+
+    def draft_modules(self) -> list:
+        """The assistant model, once loaded (:meth:`prepare`)."""
+        return [] if self.model is None else [self.model]
 
     def _assistant(self):
         return self.model
