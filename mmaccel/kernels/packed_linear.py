@@ -9,8 +9,6 @@ them: 1.0x for 2-5 tokens, 1.3x for 9, and the one-token step itself 1.2x faster
 """
 from __future__ import annotations
 
-from typing import Self
-
 import torch
 from torch import nn
 
@@ -104,7 +102,7 @@ class PackedLinears:
         self.packed_bytes = 0
         self._swapped: list[tuple[nn.Module, str, nn.Linear]] = []
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> PackedLinears:  # noqa: PYI034 - Python 3.10 has no typing.Self
         seen, targets = set(), []
         for model in self.models:
             for parent in model.modules():
