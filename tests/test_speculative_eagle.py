@@ -38,6 +38,19 @@ def _head(target, vocab_ids=None, seed=0) -> EagleHead:
     return EagleHead(EagleHeadConfig.from_target(target, vocab_ids or list(range(V)), "tiny")).eval()
 
 
+def oracle_head(target, feats: torch.Tensor) -> EagleHead:
+    """A head that returns the target's own feature of the next column (``feats`` [1, S, H]: the true features of a
+    sequence at least as long as the generation), adding zero K/V to the head cache."""
+
+    class Oracle(EagleHead):
+        def forward(self, features, embeds, positions, cache=None, mask=None):
+            if cache is not None:
+                cache.append(*[torch.zeros(1, self.config.num_kv_heads, features.shape[1], self.config.head_dim)] * 2)
+            return feats[:, positions[0] + 1]
+
+    return Oracle(EagleHeadConfig.from_target(target, list(range(target.config.vocab_size)), "tiny"))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama(layers=2, vocab_size=128, seed=0)
@@ -101,14 +114,7 @@ def test_a_head_that_predicts_the_target_is_accepted(tiny):
     with torch.no_grad():
         feats = tiny.model(plain).last_hidden_state  # f_i for every column of the final sequence
 
-    class Oracle(EagleHead):
-        def forward(self, features, embeds, positions, cache=None, mask=None):
-            if cache is not None:
-                cache.append(*[torch.zeros(1, self.config.num_kv_heads, features.shape[1], self.config.head_dim)] * 2)
-            return feats[:, positions[0] + 1]
-
-    head = Oracle(EagleHeadConfig.from_target(tiny, list(range(128)), "tiny"))
-    out = speculative_generate(tiny, ids, Eagle(head), max_new_tokens=12, num_draft_tokens=3, eos_token_id=None)
+    out = speculative_generate(tiny, ids, Eagle(oracle_head(tiny, feats)), max_new_tokens=12, num_draft_tokens=3, eos_token_id=None)
     assert torch.equal(out.sequences, plain)
     assert out.acceptance_rate == 1.0
 

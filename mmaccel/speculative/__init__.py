@@ -27,6 +27,7 @@ from .base import Draft, Drafter, column_positions, crop_cache, left_padding, po
 from .cascade import Cascade
 from .draft_model import DraftModel, check_same_vocabulary
 from .eagle import Eagle, EagleHead, EagleHeadConfig, load_head, save_head
+from .eagle_tree import EagleTree
 from .engine import SpeculativeOutput, speculative_generate
 from .harness import (
     PEERS,
@@ -67,6 +68,7 @@ METHODS: dict[str, type[Drafter]] = {
     "tree": DraftTree,
     "dytree": DynamicDraftTree,
     "eagle": Eagle,
+    "eagle_tree": EagleTree,
     "cascade": Cascade,
 }
 
@@ -97,6 +99,7 @@ __all__ = [
     "Eagle",
     "EagleHead",
     "EagleHeadConfig",
+    "EagleTree",
     "HFAssisted",
     "HFEarlyExit",
     "HFPromptLookup",

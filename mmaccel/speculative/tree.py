@@ -474,6 +474,98 @@ def verify_tree(model, cache, pending: torch.Tensor, draft: TreeDraft, start: to
     )
 
 
+def grow_tree(first_logq: torch.Tensor, root_token: int, depth: int, grow, expands, feed):
+    """Grow a token tree level by level: the loop every tree drafter shares (SpecInfer, Miao et al., 2023,
+    arXiv 2305.09781; EAGLE-2, Li et al., 2024, arXiv 2406.16858).
+
+    Parameters
+    ----------
+    first_logq : torch.Tensor
+        [1, V] float32 draft log-probabilities of the token after the root (the pending token).
+    root_token : int
+        The pending token (node 0).
+    depth : int
+        Deepest level, ``>= 1``.
+    grow : callable
+        ``grow(depth, level, logq, score)`` -> children, as :meth:`TreeDrafter.grow`.
+    expands : callable
+        ``expands(node)`` -> whether ``node`` may get children.
+    feed : callable
+        ``feed(level, parents, depths, tokens)`` -> [len(level), V] log-probabilities after each node of ``level``
+        (one draft forward over the level with the tree mask).
+
+    Returns
+    -------
+    (TokenTree, list of int)
+        The tree and the tokens of all its nodes (root first).
+    """
+    parents, ranks, depths, tokens, score = [-1], [0], [0], [int(root_token)], [0.0]
+    level, logq = [0], first_logq
+    for d in range(1, depth + 1):
+        new = []
+        for parent, token, rank, s in grow(d, level, logq, score):
+            new.append(len(parents))
+            parents.append(parent)
+            ranks.append(rank)
+            depths.append(d)
+            tokens.append(token)
+            score.append(s)
+        level = [n for n in new if d < depth and expands(n)]
+        if not level:
+            break
+        logq = feed(level, parents, depths, tokens)
+    return TokenTree(tuple(parents), tuple(ranks)), tokens
+
+
+def best_children(level: list, logq: torch.Tensor, score: list, width: int, threshold: float | None = None) -> list:
+    """EAGLE-2's expansion: the ``width`` children of the whole level with the highest cumulative draft
+    log-probability (Li et al., 2024, arXiv 2406.16858), those whose path probability is below ``threshold`` dropped
+    (DySpec, Xiong et al., 2024, arXiv 2410.11744).
+
+    Parameters
+    ----------
+    level, logq, score
+        As for :meth:`TreeDrafter.grow`: node ids, [len(level), V] log-probabilities, cumulative scores by node id.
+    width : int
+        Children kept, ``>= 1``.
+    threshold : float, optional
+        Minimum path probability in ``(0, 1)``.
+
+    Returns
+    -------
+    list of (int, int, int, float)
+        ``(parent, token, rank, score)``, parents in ``level`` order, siblings by rank.
+    """
+    top_v, top_i = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [F, W]
+    total = top_v + torch.tensor([score[n] for n in level], device=top_v.device)[:, None]
+    best = total.flatten().topk(min(width, total.numel())).indices.sort().values  # parent order, then rank
+    floor = math.log(threshold) if threshold is not None else -math.inf
+    out = []
+    for flat in best.tolist():
+        r, rank = divmod(flat, top_v.shape[1])
+        if float(total[r, rank]) >= floor:
+            out.append((level[r], int(top_i[r, rank]), rank, float(total[r, rank])))
+    return out
+
+
+def tree_telemetry(stats: dict | None) -> dict:
+    """Mean tree nodes and depth per step and ``path_acceptance_rate`` (accepted draft tokens / depth offered) from
+    ``{"steps", "nodes", "depth", "accepted"}`` counts."""
+    s = stats or {"steps": 0}
+    steps = s["steps"]
+    return {"tree_nodes_mean": s["nodes"] / steps if steps else None,
+            "tree_depth_mean": s["depth"] / steps if steps else None,
+            "path_acceptance_rate": s["accepted"] / s["depth"] if steps and s["depth"] else None}
+
+
+def count_tree_step(stats: dict, draft: TreeDraft, kept: int) -> None:
+    """Add one verified tree step to ``stats`` (see :func:`tree_telemetry`)."""
+    stats["steps"] += 1
+    stats["nodes"] += draft.tree.size
+    stats["depth"] += draft.tree.depth
+    stats["accepted"] += kept
+
+
 class TreeDrafter(DraftModel):
     """Base of the draft-model tree drafters: a draft LM grows a token tree level by level; subclasses say only which
     children each level gets (:meth:`grow`). SpecInfer (Miao et al., 2023, arXiv 2305.09781); EAGLE's tree drafting
@@ -586,22 +678,9 @@ class TreeDrafter(DraftModel):
         logq = self._forward(seq[:, held:], T, mask)[:, -1].float().log_softmax(dim=-1)  # [1, V] after the pending
         self._base, self._fed = self._cache.get_seq_length(), []
         root_pos = self._positions(T - 1, T)
-        parents, ranks, depths, tokens, score = [-1], [0], [0], [int(seq[0, -1])], [0.0]
-        level = [0]
-        for depth in range(1, min(k, self.depth) + 1):
-            new = []
-            for parent, token, rank, s in self.grow(depth, level, logq, score):
-                new.append(len(parents))
-                parents.append(parent)
-                ranks.append(rank)
-                depths.append(depth)
-                tokens.append(token)
-                score.append(s)
-            level = [n for n in new if depth < min(k, self.depth) and self.expands(n)]
-            if not level:
-                break
-            logq = self._feed(level, parents, depths, tokens, root_pos)
-        tree = TokenTree(tuple(parents), tuple(ranks))
+        tree, tokens = grow_tree(logq, int(seq[0, -1]), min(k, self.depth), self.grow, self.expands,
+                                 lambda level, parents, depths, tokens: self._feed(level, parents, depths, tokens,
+                                                                                   root_pos))
         self._proposed += tree.size
         return TreeDraft(tokens=torch.tensor([tokens[1:]], dtype=torch.long, device=device), tree=tree,
                          forwards=self._forwards - forwards0)
@@ -613,24 +692,13 @@ class TreeDrafter(DraftModel):
             return
         slot = {node: i for i, node in enumerate(self._fed)}
         keep_cache_slots(self._cache, self._base, [slot[n] for n in draft.path if n in slot])
-        s = self._stats
-        s["steps"] += 1
-        s["nodes"] += draft.tree.size
-        s["depth"] += draft.tree.depth
-        s["accepted"] += kept
+        count_tree_step(self._stats, draft, kept)
 
     def end(self) -> dict:
         """Draft telemetry plus the tree: its description, mean nodes and depth per step, and
         ``path_acceptance_rate`` (accepted draft tokens / depth offered)."""
         telemetry = super().end()
-        s = getattr(self, "_stats", None) or {"steps": 0}
-        steps = s["steps"]
-        telemetry.update(
-            tree=self.describe(),
-            tree_nodes_mean=s["nodes"] / steps if steps else None,
-            tree_depth_mean=s["depth"] / steps if steps else None,
-            path_acceptance_rate=s["accepted"] / s["depth"] if steps and s["depth"] else None,
-        )
+        telemetry.update(tree=self.describe(), **tree_telemetry(getattr(self, "_stats", None)))
         return telemetry
 
 
@@ -752,13 +820,4 @@ class DynamicDraftTree(TreeDrafter):
     def grow(self, depth, level, logq, score) -> list:
         """The ``width`` best children of the whole level by cumulative draft log-probability, those below
         ``threshold`` dropped (see :meth:`TreeDrafter.grow`)."""
-        top_v, top_i = logq.topk(min(self.width, logq.shape[-1]), dim=-1)  # [F, W]
-        total = top_v + torch.tensor([score[n] for n in level], device=top_v.device)[:, None]
-        best = total.flatten().topk(min(self.width, total.numel())).indices.sort().values  # parent order, then rank
-        floor = math.log(self.threshold) if self.threshold is not None else -math.inf
-        out = []
-        for flat in best.tolist():
-            r, rank = divmod(flat, top_v.shape[1])
-            if float(total[r, rank]) >= floor:
-                out.append((level[r], int(top_i[r, rank]), rank, float(total[r, rank])))
-        return out
+        return best_children(level, logq, score, self.width, self.threshold)
