@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["number", "colour", "motion"], default="number", help="the question")
     p.add_argument("--memory-budget", type=_bytes, default=None, metavar="SIZE",
                    help="peak memory a run may take (e.g. 8GiB): report the largest frame count that fits")
+    p.add_argument("--vision-batch", type=_positive_int, default=None, metavar="N",
+                   help="encode the frames N at a time, keeping only the hidden states the projector reads "
+                        "(fixed-grid LLaVA models); default: all frames in one tower call")
     _add_repeat_args(p, max_new_tokens=6)
     p.add_argument("--out", default="runs/video-niah", help="output folder (default runs/video-niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -498,7 +501,8 @@ def cmd_video_niah(args) -> int:
     model, processor = _load_vlm(args)
     result = video_niah(model, processor, args.methods, args.frames, args.depths, trials=args.trials, seed=args.seed,
                         kind=args.kind, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                        memory_budget=args.memory_budget, out_dir=args.out, progress=not args.no_progress)
+                        memory_budget=args.memory_budget, vision_batch=args.vision_batch, out_dir=args.out,
+                        progress=not args.no_progress)
     print(video_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json, {len(result.heatmaps)} heatmap(s) and "
           "peak_memory.png")

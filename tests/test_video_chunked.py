@@ -223,3 +223,40 @@ def test_frame_grids_group_runs_of_same_size_images_per_row():
     assert frame_grids(anyres + [one, one], [sum(g.tokens for g in anyres) + 8]) == anyres + [ImageGrid(2, 2, 2)]
     with pytest.raises(ValueError, match="image grids give 8 tokens for a row with 9"):
         frame_grids([one, one], [9])
+
+
+# ------------------------------------------------------------------------------------------ batched vision encoding
+def test_batched_vision_encoding_gives_the_same_output_and_keeps_only_the_read_layer(llava):
+    from mmaccel.vision_tokens import BatchedTower, BatchedVisionEncoding
+
+    inputs = _frames_prompt(7, seed=4)
+    plain = _generate(llava, inputs)
+    tower = llava.model.vision_tower
+    calls = []
+    handle = tower.register_forward_hook(lambda m, a, out: calls.append((a[0].shape[0], out)))
+    try:
+        with BatchedVisionEncoding(llava, batch=3), Pooling(keep_ratio=0.5).apply(llava):
+            assert isinstance(llava.model.vision_tower, BatchedTower)
+            batched = _generate(llava, inputs)
+        with Pooling(keep_ratio=0.5).apply(llava):
+            pooled = _generate(llava, inputs)
+        _same_generation(_generate(llava, inputs), plain)
+    finally:
+        handle.remove()
+    assert llava.model.vision_tower is tower  # put back
+    assert [n for n, _ in calls[:3]] == [3, 3, 1]  # 7 frames, 3 at a time
+    _same_generation(batched, pooled)
+    with BatchedVisionEncoding(llava, batch=3):
+        out = llava.model.vision_tower(inputs["pixel_values"], output_hidden_states=True, return_dict=True)
+    read = llava.config.vision_feature_layer % (llava.config.vision_config.num_hidden_layers + 1)
+    assert [h is not None for h in out.hidden_states] == [i == read for i in range(len(out.hidden_states))]
+    assert out.hidden_states[read].shape[0] == 7
+
+
+def test_batched_vision_encoding_refuses_bad_batches_and_other_layouts(llava, qwen2vl):  # noqa: F811
+    from mmaccel.vision_tokens import BatchedVisionEncoding
+
+    with pytest.raises(ValueError, match="integer >= 1"):
+        BatchedVisionEncoding(llava, batch=0)
+    with pytest.raises(ValueError, match="fixed-grid LLaVA models only"):
+        BatchedVisionEncoding(qwen2vl[0], batch=4)

@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..vision_tokens.batched_tower import BatchedVisionEncoding
 from .niah import draw_heatmap, safe_label, summarize
 from .visual import (
     NO_REDUCTION,
@@ -156,6 +157,7 @@ def video_niah(
     repeats: int = 1,
     warmup: int = 1,
     memory_budget: int | None = None,
+    vision_batch: int | None = None,
     out_dir=None,
     progress: bool = True,
 ) -> VideoNIAHResult:
@@ -198,7 +200,8 @@ def video_niah(
     ------
     ValueError
         Before any run: no methods, a bad or unknown method (:func:`check_video_config`), frames < 1, a depth outside
-        [0, 1], ``trials < 1``, an unknown ``kind``, ``memory_budget <= 0``, a processor that is not a VLM's. A run
+        [0, 1], ``trials < 1``, an unknown ``kind``, ``memory_budget <= 0``, a processor that is not a VLM's, a
+        ``vision_batch`` below 1 or on a model it does not support. A run
         that fails is recorded as ``status="failed"`` and the sweep goes on.
     """
     from tqdm.auto import tqdm
@@ -226,6 +229,7 @@ def video_niah(
         raise ValueError(f"unknown clip question kind {kind!r}; use one of {', '.join(CLIP_KINDS)}")
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+    batched = None if vision_batch is None else BatchedVisionEncoding(model, vision_batch)
     warm_clip = make_clip(WARMUP_FRAMES, seed=split_seed("test", seed, 0), depth=0.5, size=size, kind=kind)
     warm_inputs = chat_inputs(processor, clip_images(warm_clip), warm_clip.question)
     _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens)
@@ -234,6 +238,8 @@ def video_niah(
     records: list[dict] = []
     warmed: set[str] = set()
     with contextlib.ExitStack() as stack:
+        if batched is not None:
+            stack.enter_context(batched)
         sink = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -267,7 +273,7 @@ def video_niah(
     summary = summarize_video(records, labels, frames, depths, memory_budget)
     summary["config"] = {"methods": labels, "frames": frames, "depths": depths, "trials": trials, "seed": seed,
                          "kind": kind, "size": size, "max_new_tokens": max_new_tokens, "repeats": repeats,
-                         "warmup": warmup, "memory_budget_bytes": memory_budget}
+                         "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch}
     result = VideoNIAHResult(records=records, summary=summary, out_dir=out)
     if out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")

@@ -28,6 +28,7 @@ from .base import (
     lift_to_sequence,
     vit_layers,
 )
+from .batched_tower import BatchedTower, BatchedVisionEncoding
 from .fastv import FastV
 from .plan import TokenPlan
 from .pooling import Pooling, pooled_grid, pooling_plan
@@ -66,6 +67,8 @@ __all__ = [
     "AIM",
     "ATP",
     "METHODS",
+    "BatchedTower",
+    "BatchedVisionEncoding",
     "FastV",
     "ImageGrid",
     "ImageReducer",

@@ -1,0 +1,102 @@
+"""Encode many images (a long video's frames) through a LLaVA vision tower a batch at a time, keeping only the hidden
+states the projector reads, so that the tower's peak memory no longer grows with every layer of every frame."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from .base import VLMParts
+
+
+def _kept_layers(inner: nn.Module, tower: nn.Module) -> set[int]:
+    """Indices (non-negative) of the tower's hidden states that ``get_image_features`` reads."""
+    layers = getattr(inner.config, "vision_feature_layer", -1)
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    n = int(tower.config.num_hidden_layers) + 1  # the embeddings, then every block
+    return {i % n for i in layers}
+
+
+class BatchedTower(nn.Module):
+    """A LLaVA vision tower run on at most ``batch`` images per call.
+
+    ``forward(pixel_values [N, 3, S, S], **kwargs)`` runs the wrapped tower on ``ceil(N / batch)`` slices and returns
+    one ``BaseModelOutputWithPooling`` with ``last_hidden_state`` [N, P, D], ``pooler_output`` (if the tower gives
+    one) and ``hidden_states`` with only the ``keep`` layers filled (the others ``None``): what
+    ``LlavaModel.get_image_features`` reads (``hidden_states[vision_feature_layer]``). Per slice, the other layers'
+    hidden states are dropped as soon as the slice is done.
+    """
+
+    def __init__(self, tower: nn.Module, batch: int, keep: set[int]):
+        super().__init__()
+        self.tower, self.batch, self.keep = tower, batch, keep
+        self.config = tower.config
+
+    def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
+        last, pooled, kept = [], [], {i: [] for i in self.keep}
+        for chunk in pixel_values.split(self.batch):
+            out = self.tower(chunk, *args, **kwargs)
+            last.append(out.last_hidden_state)
+            if getattr(out, "pooler_output", None) is not None:
+                pooled.append(out.pooler_output)
+            for i in self.keep:
+                kept[i].append(out.hidden_states[i])
+            del out
+        n = int(self.config.num_hidden_layers) + 1
+        hidden = tuple(torch.cat(kept[i]) if kept.get(i) else None for i in range(n))
+        return BaseModelOutputWithPooling(last_hidden_state=torch.cat(last),
+                                          pooler_output=torch.cat(pooled) if pooled else None, hidden_states=hidden)
+
+
+class BatchedVisionEncoding:
+    """Run one LLaVA model's vision tower ``batch`` images at a time, and put the tower back on exit.
+
+    >>> with BatchedVisionEncoding(model, batch=64):
+    ...     out = model.generate(**inputs)  # a 1,024-frame clip: the tower's peak is one batch's, not every frame's
+
+    ``LlavaModel.get_image_features`` asks the tower for all hidden states (13 layers for DINOv2 ViT-S/14); for N
+    frames that is ``13 * N * P * D`` floats at once (2.9 GB for 1,024 frames of 145 x 384 tokens in fp32). Batched,
+    only the layers the projector reads are kept for all frames. The features are the same (the tower sees each
+    image alone: no cross-image interaction). Only this model instance changes (its ``vision_tower`` attribute is
+    swapped for a :class:`BatchedTower` holding it).
+
+    Notes
+    -----
+    Methods that hook the tower's own output see one batch per call; apply them inside this context (their hooks on
+    the tower's inner blocks, e.g. ToMe, are unaffected). Pre-LLM and in-LLM methods (pooling, VisionZip, FastV, ...)
+    are unaffected.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A LLaVA-1.5-style model (``LlavaForConditionalGeneration``: one tensor per image).
+    batch : int
+        Images per tower call, ``>= 1``.
+
+    Raises
+    ------
+    ValueError
+        ``batch`` not an integer ``>= 1``, or a model that is not a fixed-grid LLaVA (AnyRes and Qwen2-VL pack
+        their pixels differently).
+    """
+
+    def __init__(self, model: nn.Module, batch: int = 64):
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"vision batch must be an integer >= 1, got {batch!r}; e.g. 64")
+        parts = VLMParts.find(model)
+        if isinstance(parts, str) or parts.kind != "llava":
+            why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
+            raise ValueError(f"batched vision encoding supports fixed-grid LLaVA models only; {why}")
+        self.inner, self.batch = parts.inner, batch
+        self._original = None
+
+    def __enter__(self) -> BatchedVisionEncoding:  # noqa: PYI034 - Python 3.10 has no typing.Self
+        tower = self.inner.vision_tower
+        self._original = tower
+        self.inner.vision_tower = BatchedTower(tower, self.batch, _kept_layers(self.inner, tower))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._original is not None:
+            self.inner.vision_tower = self._original
+            self._original = None
