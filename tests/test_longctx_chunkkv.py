@@ -76,6 +76,8 @@ def test_spec_round_trips_and_takes_the_wrapped_budget():
 
 @pytest.mark.parametrize("spec, message", [
     ("chunkkv:method=full", "wraps a scored method"),
+    ("chunkkv:method=adakv", "wraps a scored method"),  # a wrapper over a wrapper
+    ("adakv:method=chunkkv", "wraps a scored method"),
     ("chunkkv:method=snapkv:chunk=0", "chunk must be"),
     ("chunkkv:method=snapkv:heads=some", "heads must be one of"),
     ("chunkkv:method=snapkv,budget=64:budget=32", "differs from the wrapped method"),

@@ -28,8 +28,8 @@ class ScorerWrapper(KVScorer):
     Raises
     ------
     ValueError
-        From :meth:`resolve`: the method is not a scorer (or is this same wrapper), or budget/ratio disagree with the
-        scorer's.
+        From :meth:`resolve`: the method is not a scorer, or is itself a wrapper (AdaKV, ChunkKV), or budget/ratio
+        disagree with the scorer's.
     """
 
     method: object = "snapkv"
@@ -37,7 +37,9 @@ class ScorerWrapper(KVScorer):
     def resolve(self) -> None:
         """Build the wrapped scorer from ``method`` and take its budget and ratio (see the class for the errors)."""
         inner = resolve_inner(self.method, self.method_name)
-        if not isinstance(inner, KVScorer) or isinstance(inner, type(self)):
+        if not isinstance(inner, KVScorer) or isinstance(inner, ScorerWrapper):
+            # a wrapper over a wrapper would run one of them silently wrong: ChunkKV over AdaKV drops AdaKV's
+            # per-head storage; AdaKV over ChunkKV allocates by ranks, which are not comparable across heads
             raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
                 f"{self.method_name} wraps a scored method (snapkv, pyramidkv, h2o, tova, knorm, streaming), "
                 f"got {inner.name}")
