@@ -218,6 +218,74 @@ def test_multi_turn_conversations_put_one_image_before_several_answers(built):
         tr.encode_examples(processor, qas, turns=0)
 
 
+def test_shuffle_turns_permutes_within_scenes_only():
+    """Multi-turn training must not see the kinds in a fixed order (a model then answers from the turn index)."""
+    qas = make_scene_qa(40, seed=2, per_scene=5)
+    assert all([q.kind for q in qas[i:i + 5]] == [q.kind for q in qas[:5]] for i in range(0, 40, 5))  # the shortcut
+    out = tr.shuffle_turns(qas, seed=0)
+    assert [q.seed for q in out] == [q.seed for q in qas]  # scenes stay consecutive, in order
+    for i in range(0, 40, 5):
+        assert sorted(map(id, out[i:i + 5])) == sorted(map(id, qas[i:i + 5]))
+    firsts = {out[i].kind for i in range(0, 40, 5)}
+    assert len(firsts) >= 3, firsts  # turn 1 no longer always asks the same kind
+    assert [q.question for q in tr.shuffle_turns(qas, seed=0)] == [q.question for q in out]
+    assert [q.question for q in tr.shuffle_turns(qas, seed=1)] != [q.question for q in out]
+
+
+def test_curriculum_puts_single_object_conversations_first(built):
+    """``single_object_steps``: those steps' conversations come from one-object scenes and are all visited first."""
+    _, processor = built
+    examples, images, order = tr.training_conversations(processor, steps=5, batch_size=2, turns=3, per_scene=3,
+                                                        single_object_steps=2, seed=0)
+    assert len(examples) == 10 and sorted(order) == list(range(10)) and len(images) == 10
+    easy, rest = [examples[i] for i in order[:4]], [examples[i] for i in order[4:]]
+    assert sorted(order[:4]) == [0, 1, 2, 3]
+    one = [(k, a) for e in easy for k, a in zip(e.kinds, e.answers)]
+    assert all(k != "relation" for k, _ in one) and all(a in "01" for k, a in one if k == "count")
+    assert any(k == "relation" for e in rest for k in e.kinds)  # 2-5 objects afterwards
+    with pytest.raises(ValueError, match="single_object_steps must be in"):
+        tr.train(None, steps=2, single_object_steps=2)
+
+
+def test_micro_llava_recipe_and_command(monkeypatch, tmp_path):
+    """``mmaccel zoo train micro-llava`` runs :func:`train` with micro-llava's recipe; the recorded command names
+    only what differs from that recipe."""
+    with pytest.raises(ValueError, match="unknown built LLaVA"):
+        tr.train(tmp_path, name="nope")
+    seen = {}
+    monkeypatch.setattr(tr, "train", lambda out, **kw: seen.update(kw, out=out) or {"ok": True})
+    assert built_mod.train_built("micro-llava", tmp_path, steps=7, threads=1) == {"ok": True}
+    recipe = tr.RECIPES["micro-llava"]
+    assert seen["name"] == "micro-llava" and seen["language"] == "micro-lm" and seen["steps"] == 7
+    assert seen["lora_rank"] == recipe["lora_rank"] > 0 and seen["single_object_steps"] == recipe["single_object_steps"]
+    base = {k: recipe[k] for k in ("batch_size", "lr")}
+    same = {k: v for k, v in recipe.items() if k not in ("steps", "batch_size", "lr")}
+    assert tr._command(name="micro-llava", steps=1200, threads=2, device="cpu", seed=0, **base, **same) == \
+        "mmaccel zoo train micro-llava --steps 1200 --batch-size 16 --lr 0.002 --threads 2"
+    other = tr._command(name="micro-llava", steps=10, threads=None, device="cpu", seed=0, **base,
+                        **{**same, "turns": 1})
+    assert other.startswith("python -m mmaccel.models.train_smol_llava --name micro-llava --steps 10") and \
+        other.endswith(" --turns 1")
+    assert "micro-llava" in {row["name"] for row in built_mod.list_built()}
+
+
+def test_an_image_token_inside_the_lm_vocabulary_is_reused(parts):
+    """A tokenizer that already holds ``<image>`` inside the LM's vocabulary (as micro-lm's does) keeps its id and
+    the LM is not resized; an id neither inside nor appended is one clear error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = AutoModelForCausalLM.from_pretrained(parts[1])
+    tok = AutoTokenizer.from_pretrained(parts[1], extra_special_tokens={"image_token": sl.IMAGE_TOKEN})
+    appended = sl.add_image_token(lm, tok)
+    rows = lm.get_input_embeddings().weight.shape[0]
+    assert appended == rows - 1 == len(tok) - 1
+    assert sl.add_image_token(lm, tok) == appended  # now inside the vocabulary: reused, no second row
+    assert lm.get_input_embeddings().weight.shape[0] == rows
+    lm.resize_token_embeddings(rows + 3)
+    with pytest.raises(ValueError, match="expected <image> appended"):
+        sl.add_image_token(lm, tok)
+
+
 # ---------------------------------------------------------------------------------------------------------- training
 def test_projector_only_step_freezes_the_rest_and_lowers_the_loss(parts):
     model, processor = sl.build_llava(*parts)

@@ -33,7 +33,8 @@ class BuiltEntry:
     parts : tuple of (str, str)
         ``(role, zoo name)`` pairs, e.g. ``(("vision", "dinov2-small"), ("language", "smollm2-135m"))``.
     weights : str
-        File name of the trained piece inside ``assets/models/NAME/``.
+        File name of the trained piece inside ``assets/models/NAME/`` (default: the LLaVA projector file; the
+        builder and processor default to :mod:`mmaccel.models.smol_llava`'s composition).
     builder : str
         ``"module:function"`` taking one ``ROLE_dir`` keyword per part (``vision_dir``, ``language_dir``) and
         ``projector``, ``dtype``, ``attn_implementation``; it returns ``(model, processor)``.
@@ -50,10 +51,10 @@ class BuiltEntry:
     name: str
     description: str
     parts: tuple
-    weights: str
-    builder: str
-    processor: str
     trainer: str
+    weights: str = "projector.safetensors"
+    builder: str = "mmaccel.models.smol_llava:build_llava"
+    processor: str = "mmaccel.models.smol_llava:build_processor"
     license: str = "Apache-2.0"
 
     def train_command(self) -> str:
@@ -67,10 +68,15 @@ BUILT: dict[str, BuiltEntry] = {
         description="LlavaForConditionalGeneration: dinov2-small at 168 px (144 visual tokens) + smollm2-135m, "
                     "joined by a trained 2-layer MLP projector (LLaVA-1.5 style, 0.55 M params)",
         parts=(("vision", "dinov2-small"), ("language", "smollm2-135m")),
-        weights="projector.safetensors",
-        builder="mmaccel.models.smol_llava:build_llava",
-        processor="mmaccel.models.smol_llava:build_processor",
         trainer="mmaccel.models.train_smol_llava:train",
+    ),
+    "micro-llava": BuiltEntry(
+        name="micro-llava",
+        description="LlavaForConditionalGeneration: dinov2-small at 168 px (144 visual tokens) + micro-lm, joined by "
+                    "a trained projector, with LoRA adapters on the LM merged at load (the fallback when smol-llava's "
+                    "real LM misses the scene-QA bar)",
+        parts=(("vision", "dinov2-small"), ("language", "micro-lm")),
+        trainer="mmaccel.models.train_smol_llava:train_micro_llava",
     ),
 }
 

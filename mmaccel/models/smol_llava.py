@@ -162,25 +162,32 @@ def fit_positions(tower: nn.Module, image_size: int) -> nn.Module:
 def add_image_token(lm: nn.Module, tokenizer) -> int:
     """Give the LM an embedding row for the tokenizer's ``<image>`` token, set to the mean of the existing rows.
 
+    A tokenizer that already had ``<image>`` inside the LM's vocabulary (``micro-lm`` reserves id 3) keeps it: the
+    LM is not resized (the row is never read at image positions, which the projector fills).
+
     Parameters
     ----------
     lm : transformers.PreTrainedModel
-        A causal LM whose vocabulary is one token short of ``len(tokenizer)``.
+        A causal LM whose vocabulary is one token short of ``len(tokenizer)``, or one that already holds the
+        tokenizer's ``<image>`` id.
     tokenizer
         The LM's tokenizer loaded with ``extra_special_tokens={"image_token": "<image>"}``.
 
     Returns
     -------
     int
-        The ``<image>`` token id (the last one).
+        The ``<image>`` token id (the appended last one, or the LM's own).
 
     Raises
     ------
     ValueError
-        If the tokenizer's ``<image>`` id is not the LM's vocabulary size (the token must be appended).
+        If the tokenizer's ``<image>`` id is neither inside the LM's vocabulary nor appended at its end.
     """
     old = lm.get_input_embeddings().weight.shape[0]
     image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if len(tokenizer) == old and image_id is not None and 0 <= image_id < old \
+            and image_id != tokenizer.unk_token_id:
+        return image_id
     if image_id != old or len(tokenizer) != old + 1:
         raise ValueError(f"expected {IMAGE_TOKEN} appended as id {old} (vocabulary {old}); the tokenizer gives id "
                          f"{image_id} and {len(tokenizer)} tokens")
