@@ -15,6 +15,17 @@ mmaccel runs on transformers 5.2x. So the two sides never share a process:
   one JSON record per run; the peak-memory meter is mmaccel's own file (``mmaccel/eval/memory.py``, which needs only
   the standard library and torch), loaded by path, so both sides use the same meter.
 
+Peak memory (``--memory-meter``): the default ``rss`` is each process's sampled RSS growth, which depends on the
+process's history and on the library versions (on one stack the two sides' ``full`` -- the same ``generate`` with a
+``DynamicCache`` -- measured 318 and 422 MiB at 4k). ``allocator`` sums torch's CPU allocations under the profiler:
+exact tensor bytes, the CPU's ``max_memory_allocated``, and the two sides' ``full`` agree to 0.1 MiB even across
+transformers versions, which is what makes the peaks comparable. Its per-op cost is inside the timings.
+
+Versions: kvpress 0.5.5 reads ``cache_position`` from the attention modules' keyword arguments, which transformers
+5.23 no longer passes (every press fails with ``KeyError: 'cache_position'``), so its side needs ``transformers<5.3``;
+``--venv`` may name any environment with kvpress 0.5.5 (e.g. one made with ``--system-site-packages`` that adds only
+``transformers==5.2.0``, ``tokenizers==0.22.2`` and kvpress, so both sides share the torch build).
+
 The driver scores both sides with the same rule (:func:`mmaccel.eval.haystack.score_answer`, exact match of the first
 number) and merges the records into one table.
 
@@ -321,7 +332,8 @@ def _kvpress_run(job, ctx, case, spec, mode, ratio, *, warmup_case=None) -> dict
             cr = 0.0 if ratio is None else kvpress_compression_ratio(n_compressed, c["keep"][str(ratio)] - n_closing)
             press = _build_press(spec, cr)
             rec["load_avg_1m"] = _load_average()
-            with torch.inference_mode(), ctx["PeakMemory"](torch.device("cpu")) as mem:
+            with torch.inference_mode(), ctx["PeakMemory"](torch.device("cpu"),
+                                                                 cpu_meter=job.get("memory_meter", "rss")) as mem:
                 if mode == "whole":
                     run = _run_whole(ctx["model"], ids, press, job["max_new_tokens"], job["gen_kwargs"])
                 else:
@@ -524,7 +536,8 @@ def run_mmaccel_side(model, tokenizer, job: dict, methods, progress: bool = True
         for i, case in enumerate(job["cases"]):
             rec = generate_measured(model, tokenizer, case["input_ids"], method=spec, label=spec,
                                     max_new_tokens=job["max_new_tokens"], warmup=1 if i == 0 else 0,
-                                    warmup_ids=job["warmup_case"]["input_ids"])
+                                    warmup_ids=job["warmup_case"]["input_ids"],
+                                    memory_meter=job.get("memory_meter", "rss"))
             records.append({
                 "side": "mmaccel", "mode": "whole", "method": label, "spec": spec, "ratio": ratio,
                 "case": case["id"], "prompt_tokens": rec.prompt_tokens, "status": rec.status, "error": rec.error,
@@ -669,6 +682,8 @@ def write_outputs(out: Path, records: list[dict], config: dict) -> dict:
 def _table_header(config: dict) -> str:
     kv = config.get("kvpress_versions") or {}
     mm = config.get("mmaccel_versions") or {}
+    peak = {"rss": "RSS growth", "allocator": "torch's CPU allocations under the profiler, exact tensor bytes; the "
+            "profiler's per-op cost is inside the timings"}[config.get("memory_meter", "rss")]
     return (
         f"# mmaccel vs kvpress {kv.get('kvpress', '?')}: `{config['model']}`\n\n"
         f"{config['n_cases']} NIAH prompts per length, lengths {config['lengths']}, {config['dtype']}, "
@@ -676,8 +691,8 @@ def _table_header(config: dict) -> str:
         f"chat template: {config['chat_template']}. mmaccel: torch {mm.get('torch', '?')}, transformers "
         f"{mm.get('transformers', '?')}; kvpress side: torch {kv.get('torch', '?')}, transformers "
         f"{kv.get('transformers', '?')} (own process). Kept counts match mmaccel's `ceil(ratio x prompt)`; `kept` = "
-        "K/V bytes held at the first token / the full prompt's; peak = RSS growth (mmaccel's PeakMemory, both "
-        "sides); prefill = prompt start to the first token's logits. `same as mmaccel`: identical answers to the "
+        "K/V bytes held at the first token / the full prompt's; peak = "
+        f"{peak} (mmaccel's PeakMemory, both sides); prefill = prompt start to the first token's logits. `same as mmaccel`: identical answers to the "
         "mmaccel method with the same settings on the same prompts. Median 1-minute load average during the runs: "
         f"{config.get('load_avg_1m_median')} (timings under load are noisy; compare within one run).\n"
     )
@@ -711,7 +726,7 @@ def driver_main(args) -> dict:
     job = {
         "model": model_path, "dtype": args.dtype, "threads": args.threads, "attn_implementation": "sdpa",
         "max_new_tokens": args.max_new_tokens, "ratios": list(args.ratios), "modes": list(args.kvpress_modes),
-        "presses": list(args.kvpress_presses), "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
+        "presses": list(args.kvpress_presses), "memory_meter": args.memory_meter, "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
         "gen_kwargs": generation_kwargs(model, tokenizer), **built,
     }
     job_path = out / "cases.json"
@@ -736,7 +751,8 @@ def driver_main(args) -> dict:
     mm_versions = next((r["versions"] for r in records if r["side"] == "mmaccel"), None)
     config = {
         "model": model_path, "lengths": list(args.lengths), "n_cases": args.cases, "ratios": list(args.ratios),
-        "threads": args.threads, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+        "threads": args.threads, "dtype": args.dtype, "memory_meter": args.memory_meter,
+        "max_new_tokens": args.max_new_tokens, "seed": args.seed,
         "chat_template": job["chat_template"], "haystack": "builtin" if args.haystack is None else str(args.haystack),
         "mmaccel_methods": list(args.mmaccel_methods),
         "kvpress_presses": list(args.kvpress_presses), "kvpress_modes": list(args.kvpress_modes),
@@ -761,6 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--memory-meter", default="rss", choices=["rss", "allocator"],
+                   help="peak memory on both sides: the sampled RSS growth (default), or torch's CPU allocations "
+                        "under the profiler (exact tensor bytes, comparable across processes; its per-op cost "
+                        "inflates the timings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--haystack", type=Path, default=None, help="UTF-8 text file (default: built-in held-out prose)")

@@ -126,6 +126,33 @@ def test_peak_memory_sees_a_64_mib_allocation_on_the_cpu():
     del block
 
 
+def test_allocator_meter_is_exact_tensor_bytes():
+    """Under ``cpu_meter="allocator"`` the peak is the block's most tensor bytes held at once: 64 + 32 MiB, not the
+    later 32 + 16, and not the 4 MiB allocated before the block."""
+    before = torch.ones(1 << 20)
+    with PeakMemory(torch.device("cpu"), cpu_meter="allocator") as mem:
+        a = torch.ones(16 << 20)
+        b = torch.ones(8 << 20)
+        del a
+        c = torch.ones(4 << 20)
+    assert mem.method == "cpu_allocator_profiled"
+    assert mem.peak == 96 << 20
+    del b, c, before
+    with pytest.raises(ValueError, match="cpu_meter must be one of"):
+        PeakMemory(torch.device("cpu"), cpu_meter="psutil")
+
+
+def test_generate_measured_allocator_meter_counts_the_kv_it_builds(tiny):
+    model, tok = tiny
+    ids = tok("the cat sat on the mat " * 30)["input_ids"][:150]
+    rec = generate_measured(model, tok, ids, max_new_tokens=4, warmup=0, memory_meter="allocator")
+    assert rec.status == "ok" and rec.peak_memory_method == "cpu_allocator_profiled"
+    # the cache is allocated inside the run, so the exact peak holds at least its final K/V bytes
+    assert rec.peak_memory_bytes >= _kv_bytes(len(ids) + rec.new_tokens - 1) > 0
+    with pytest.raises(ValueError, match="memory_meter must be one of"):
+        generate_measured(model, tok, ids, memory_meter="rss_exact")
+
+
 def test_bad_prompts_raise(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="empty"):

@@ -45,7 +45,8 @@ def tokenizer():
 
 
 # ------------------------------------------------------------------------------------------ worker isolation
-def test_worker_side_loads_the_meter_without_importing_mmaccel():
+@pytest.mark.parametrize("cpu_meter", ["rss", "allocator"])
+def test_worker_side_loads_the_meter_without_importing_mmaccel(cpu_meter):
     """The worker runs under another transformers: importing the script and mmaccel's meter file by path must not
     pull in the mmaccel package (nor torch, until the meter needs it)."""
     meter = ROOT / "mmaccel" / "eval" / "memory.py"
@@ -56,15 +57,19 @@ def test_worker_side_loads_the_meter_without_importing_mmaccel():
         "before = sorted(m for m in sys.modules if m.split('.')[0] in ('mmaccel', 'torch', 'transformers'))\n"
         f"PeakMemory = vk._load_meter({str(meter)!r})\n"
         "import torch\n"
-        "with PeakMemory(torch.device('cpu')) as mem:\n"
+        f"with PeakMemory(torch.device('cpu'), cpu_meter={cpu_meter!r}) as mem:\n"
         "    x = torch.ones(4 << 20)  # 16 MiB\n"
         "print(before, mem.method, mem.peak, any(m.split('.')[0] == 'mmaccel' for m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/",
                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}).stdout.split()
     assert out[0] == "[]"
-    assert out[1] == "rss_delta_sampled"
-    assert int(out[2]) >= 12 << 20
+    if cpu_meter == "rss":
+        assert out[1] == "rss_delta_sampled"
+        assert int(out[2]) >= 12 << 20
+    else:
+        assert out[1] == "cpu_allocator_profiled"
+        assert int(out[2]) == 16 << 20
     assert out[3] == "False"
 
 

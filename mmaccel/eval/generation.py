@@ -70,7 +70,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from ..longctx import METHODS as KV_METHODS
 from ..longctx import build_method, kv_cache_bytes
 from ..specs import parse_method_spec
-from .memory import PeakMemory
+from .memory import CPU_METERS, PeakMemory
 
 logger = logging.getLogger(__name__)
 
@@ -671,7 +671,7 @@ def visual_token_counts(telemetry: dict) -> tuple[int | None, int | None]:
 
 
 def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict, *, vision=None,
-             kv=None, model_inputs: dict | None = None) -> dict:
+             kv=None, model_inputs: dict | None = None, memory_meter: str = "rss") -> dict:
     """One timed generation of any method, composed with a visual-token method (applied around the run) and a KV
     method under a speculative one (its cache is the engine's); returns timings, memory, K/V bytes, telemetry and
     the new ids."""
@@ -686,7 +686,7 @@ def _one_run(model, method, input_ids: torch.Tensor, max_new_tokens: int, gen_kw
                 vision.telemetry = {}
                 stack.enter_context(vision.apply(model))
             timer = stack.enter_context(_VisionTimer(model, device))
-            with PeakMemory(device) as mem:
+            with PeakMemory(device, cpu_meter=memory_meter) as mem:
                 run = runner_for(method).timed_generate(model, input_ids, max_new_tokens=max_new_tokens,
                                                         gen_kwargs=gen_kwargs, **extra)
         if cache is not None:
@@ -744,6 +744,7 @@ def generate_measured(
     vision=None,
     kv=None,
     raise_errors: bool = False,
+    memory_meter: str = "rss",
 ) -> RunRecord:
     """Generate from one prompt with a KV-cache, speculative or transformers-peer method -- optionally composed with
     a visual-token method and a KV method under the speculative one -- and measure it.
@@ -790,6 +791,11 @@ def generate_measured(
         run (``record.telemetry["kv"]``); with ``method=None`` it is the method itself.
     raise_errors : bool
         Re-raise the exception of a failed run instead of returning a ``"failed"`` record.
+    memory_meter : {"rss", "allocator"}
+        How ``peak_memory_bytes`` is measured off CUDA (:class:`~mmaccel.eval.memory.PeakMemory`'s ``cpu_meter``):
+        the sampled process RSS (default), or torch's CPU allocations under the profiler, exact tensor bytes that
+        compare across processes, but with the profiler's per-op cost inside the timings (use it for memory, not
+        speed).
 
     Returns
     -------
@@ -803,7 +809,7 @@ def generate_measured(
     ValueError
         Configuration errors, before any run: an unknown method or bad method arguments (e.g. a draft length
         ``k <= 0``), a draft model with another vocabulary or tokenizer, an empty or batched prompt,
-        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0`` or ``temperature < 0``; a composition that cannot
+        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``, ``temperature < 0`` or an unknown ``memory_meter``; a composition that cannot
         be exact (:func:`check_composition`), or ``vision`` without image/video inputs.
     UnsupportedModelError
         (a ``ValueError``) ``vision`` on a model the method does not support.
@@ -814,6 +820,8 @@ def generate_measured(
         )
     if temperature is None or not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if memory_meter not in CPU_METERS:
+        raise ValueError(f"memory_meter must be one of {CPU_METERS}, got {memory_meter!r}")
     kv_obj, kv_label = resolve_kv(kv)
     vision_obj, vision_label = resolve_vision(vision)
     if method is None and kv_obj is not None:
@@ -859,7 +867,8 @@ def generate_measured(
             try:
                 warm = i < warmup
                 run = _one_run(model, method_obj, warm_ids if warm else ids, max_new_tokens, gen_kwargs,
-                               vision=vision_obj, kv=kv_obj, model_inputs=warm_inputs if warm else model_inputs)
+                               vision=vision_obj, kv=kv_obj, model_inputs=warm_inputs if warm else model_inputs,
+                               memory_meter=memory_meter)
             except Exception as exc:
                 if raise_errors:
                     raise

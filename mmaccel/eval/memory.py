@@ -1,4 +1,4 @@
-"""Peak memory of a piece of code: exact on CUDA, an honest sampled estimate on the CPU.
+"""Peak memory of a piece of code: exact on CUDA; on the CPU an honest sampled estimate, or exact tensor bytes.
 
 The measure is the peak memory *growth* while the block runs, above what was allocated when it started:
 
@@ -10,6 +10,14 @@ The measure is the peak memory *growth* while the block runs, above what was all
   run freed is not silently reused unseen. Caveats, stated honestly: it is sampled (a peak shorter than the interval
   can be missed), it counts every allocation of the process (other threads included), and allocator reuse of pages
   that were never returned can still hide some growth -- read it as an approximate lower bound.
+- CPU, exact (``"cpu_allocator_profiled"``, ``PeakMemory(device, cpu_meter="allocator")``): every allocation and
+  free of torch's CPU allocator while the block runs, as recorded by ``torch.profiler`` with ``profile_memory=True``,
+  summed in time order; the peak of that running sum. It is the CPU's counterpart of ``max_memory_allocated``: tensor
+  bytes only (no allocator slack, no Python objects, no memory of other libraries), independent of what the process
+  did before, so it compares across processes and library versions, which the RSS cannot. It includes the buffers
+  kernels allocate internally through torch (e.g. attention's temporaries). Costs: the profiler records every op
+  (a few microseconds each), so do not time a run under it; allocations made by threads the profiler does not
+  follow (other Python threads; intra-op worker threads rarely allocate) are missed.
 - Elsewhere (``"unavailable"``): ``None``.
 
 The sampler thread reads ``/proc/self/statm`` (about 15 microseconds) every ``RSS_SAMPLE_INTERVAL_S`` seconds: about 1%
@@ -27,6 +35,9 @@ import torch
 
 RSS_SAMPLE_INTERVAL_S = 0.002
 """Sampling interval of the CPU RSS monitor, seconds."""
+
+CPU_METERS = ("rss", "allocator")
+"""What :class:`PeakMemory` measures off CUDA: the sampled process RSS, or torch's CPU allocations (exact)."""
 
 
 def rss_bytes() -> int | None:
@@ -55,25 +66,39 @@ class PeakMemory:
     Parameters
     ----------
     device : torch.device
-        CUDA devices use the caching allocator's statistics; anything else uses the process RSS.
+        CUDA devices use the caching allocator's statistics; anything else uses ``cpu_meter``.
+    cpu_meter : {"rss", "allocator"}
+        Off CUDA: ``"rss"`` (default) samples the process RSS, cheap enough to wrap a timed run; ``"allocator"``
+        sums torch's CPU allocations under the profiler: exact tensor bytes, but not for timed runs (see the module
+        docstring).
 
     Attributes
     ----------
     method : str
-        ``"cuda_max_memory_allocated"``, ``"rss_delta_sampled"`` or ``"unavailable"``.
+        ``"cuda_max_memory_allocated"``, ``"rss_delta_sampled"``, ``"cpu_allocator_profiled"`` or ``"unavailable"``.
     peak : int or None
         After exit: peak bytes above the start (``None`` when unavailable).
 
+    Raises
+    ------
+    ValueError
+        An unknown ``cpu_meter``.
+
     Notes
     -----
-    Not re-entrant on CUDA (it resets the device's peak statistics).
+    Not re-entrant on CUDA (it resets the device's peak statistics), nor under ``"allocator"`` (one profiler at a
+    time).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_meter: str = "rss"):
+        if cpu_meter not in CPU_METERS:
+            raise ValueError(f"cpu_meter must be one of {CPU_METERS}, got {cpu_meter!r}")
         self.device = device
         self.peak: int | None = None
         if device.type == "cuda":
             self.method = "cuda_max_memory_allocated"
+        elif cpu_meter == "allocator":
+            self.method = "cpu_allocator_profiled"
         elif rss_bytes() is not None:
             self.method = "rss_delta_sampled"
         else:
@@ -91,6 +116,10 @@ class PeakMemory:
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
+        elif self.method == "cpu_allocator_profiled":
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                    profile_memory=True)
+            self._profiler.__enter__()
         return self
 
     def _sample(self) -> None:
@@ -105,3 +134,31 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = int(max(self._max, rss_bytes() or 0) - self._start)
+        elif self.method == "cpu_allocator_profiled":
+            self._profiler.__exit__(*exc)
+            self.peak = allocation_peak(self._profiler)
+            self._profiler = None
+
+
+def allocation_peak(profiler) -> int:
+    """Peak of the running sum of a finished ``torch.profiler.profile``'s CPU allocations and frees, in bytes: the
+    most memory the profiled block's own allocations held at once. Frees of memory allocated before the profile are
+    not recorded by torch (it warns), so a block that frees earlier tensors is not credited for them.
+
+    Raises
+    ------
+    RuntimeError
+        The profile holds no memory records (it was not run with ``profile_memory=True``) or this torch does not
+        expose them (``profiler.profiler.kineto_results``).
+    """
+    results = getattr(getattr(profiler, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise RuntimeError("no profiler memory records: run torch.profiler.profile(profile_memory=True), on a torch "
+                           "whose profile exposes kineto_results")
+    events = sorted((e.start_ns(), e.nbytes()) for e in results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    total = peak = 0
+    for _, nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return int(peak)

@@ -25,6 +25,7 @@ from .base import (
 )
 from .bilevel import BiLevel
 from .chunked import Chunked
+from .chunked_ffn import ChunkedFeedForward
 from .chunkkv import ChunkKV
 from .full import FullAttention
 from .h2o import H2O
@@ -49,6 +50,7 @@ METHODS: dict[str, type[KVMethod]] = {
     "tova": TOVA,
     "knorm": KNorm,
     "chunked": Chunked,
+    "chunked_ffn": ChunkedFeedForward,
     "retrieval_heads": RetrievalHeads,
     "duo": RetrievalHeads,
     "razor": RazorAttention,
@@ -89,6 +91,7 @@ __all__ = [
     "TOVA",
     "KNorm",
     "Chunked",
+    "ChunkedFeedForward",
     "RetrievalHeads",
     "RazorAttention",
     "Quest",

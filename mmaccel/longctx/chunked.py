@@ -86,7 +86,58 @@ def _prefill_splitter(ref, chunk: int, last_logits_only: bool):
 
 
 @dataclass
-class Chunked(KVMethod):
+class ChunkWrapper(KVMethod):
+    """Base of the wrappers that run a wrapped method's prefill in pieces of ``chunk`` tokens
+    (:class:`Chunked`, :class:`~mmaccel.longctx.chunked_ffn.ChunkedFeedForward`): the wrapped method's layers, hooks,
+    padding rules and telemetry are used unchanged; a subclass writes ``make_cache``.
+
+    Raises
+    ------
+    ValueError
+        A ``chunk`` that is not an integer >= 1, or an unknown nested method.
+    """
+
+    method: object = "full"
+    chunk: int = 1024
+
+    def __post_init__(self):
+        _check_int(self.method_name, "chunk", self.chunk, 1,
+                   f"pass the chunk length in tokens, e.g. {self.method_name}:chunk=1024")
+        self.method = resolve_inner(self.method, self.method_name)
+
+    @property
+    def uses_hooks(self) -> bool:
+        return self.method.uses_hooks
+
+    @property
+    def padding_safe(self) -> bool:
+        return self.method.padding_safe
+
+    def make_layer(self, layer_idx: int):
+        return self.method.make_layer(layer_idx)
+
+    def on_step(self, step: LayerStep) -> None:
+        self.method.on_step(step)
+
+    def wrapped_cache(self, model: torch.nn.Module) -> KVMethodCache:
+        """The wrapped method's own cache (``method.make_cache``: hook-driven or attention-owning alike); a method
+        whose cache is a plain transformers cache (``full``) gets a :class:`KVMethodCache` of its layers, which can
+        hold this wrapper's hooks (its ``_hooks``: objects with ``remove()``, removed when the cache closes)."""
+        cache = self.method.make_cache(model)
+        return cache if isinstance(cache, KVMethodCache) else KVMethodCache(model, self)
+
+    def telemetry(self, cache) -> dict:
+        """The wrapped method's telemetry, with ``method``/``spec`` of the wrapper and ``chunk``."""
+        return {**self.method.telemetry(cache), "method": self.name, "spec": self.spec, "chunk": self.chunk,
+                "inner_method": self.method.spec}
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:chunk={self.chunk}:method={self.method.spec.replace(':', ',')}"
+
+
+@dataclass
+class Chunked(ChunkWrapper):
     """Chunked prefill (SARATHI, Agrawal et al., 2023, arXiv 2308.16369) over any method: ``Chunked(SnapKV(), 1024)``.
 
     A forward pre-hook (this instance only) splits every forward with this cache whose input is longer than
@@ -134,42 +185,20 @@ class Chunked(KVMethod):
         mask other than the 2-D padding mask.
     """
 
-    method: object = "full"
-    chunk: int = 1024
-
     method_name = "chunked"
 
     def __post_init__(self):
-        _check_int("chunked", "chunk", self.chunk, 1, "pass the prefill chunk length in tokens, e.g. chunk=1024")
-        self.method = resolve_inner(self.method, "chunked")
+        super().__post_init__()
         if not getattr(self.method, "supports_chunking", True):
             raise ValueError(
                 f"chunked: {self.method.name} cannot run with chunked prefill ({self.method.chunking_error}); "
                 "run it unchunked"
             )
 
-    @property
-    def uses_hooks(self) -> bool:
-        return self.method.uses_hooks
-
-    @property
-    def padding_safe(self) -> bool:
-        return self.method.padding_safe
-
-    def make_layer(self, layer_idx: int):
-        return self.method.make_layer(layer_idx)
-
-    def on_step(self, step: LayerStep) -> None:
-        self.method.on_step(step)
-
     def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
-        """The wrapped method's own cache (``method.make_cache``: hook-driven or attention-owning alike) plus the
-        chunking pre-hook (on ``model``, or on its language model for a VLM), removed with the cache's hooks. A
-        method whose cache is a plain transformers cache (``full``) gets a :class:`KVMethodCache` of its layers,
-        which can hold the hook."""
-        cache = self.method.make_cache(model)
-        if not isinstance(cache, KVMethodCache):
-            cache = KVMethodCache(model, self)
+        """The wrapped method's cache (:meth:`ChunkWrapper.wrapped_cache`) plus the chunking pre-hook (on ``model``,
+        or on its language model for a VLM), removed with the cache's hooks."""
+        cache = self.wrapped_cache(model)
         ref = weakref.ref(cache)
         hooks = cache._hooks
         lm = language_model(model)
@@ -193,12 +222,3 @@ class Chunked(KVMethod):
 
         hooks.append(model.register_forward_pre_hook(move_last, with_kwargs=True))
         return cache
-
-    def telemetry(self, cache) -> dict:
-        """The wrapped method's telemetry, with ``method``/``spec`` of the wrapper and ``chunk``."""
-        return {**self.method.telemetry(cache), "method": self.name, "spec": self.spec, "chunk": self.chunk,
-                "inner_method": self.method.spec}
-
-    @property
-    def spec(self) -> str:
-        return f"chunked:chunk={self.chunk}:method={self.method.spec.replace(':', ',')}"
