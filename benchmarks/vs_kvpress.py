@@ -598,13 +598,21 @@ def counterpart(record: dict) -> str | None:
     return None
 
 
+def unwrapped(label: str) -> str | None:
+    """The mmaccel label a ``chunked_ffn`` row wraps (``"chunked_ffn:chunk=512:method=snapkv"`` -> ``"snapkv"``): the
+    chunked feed-forward changes no kept slot, so its answers must equal that method's. ``None`` for other labels."""
+    match = re.fullmatch(r"chunked_ffn:chunk=\d+:method=(.+)", label)
+    return match.group(1).replace(",", ":") if match else None
+
+
 def _row_key(r: dict) -> tuple:
     return r["side"], r["mode"], r["method"], r["ratio"]
 
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (side, mode, method, ratio): accuracy over successful runs, medians over cases, and for kvpress
-    ``whole`` rows with an mmaccel counterpart, on how many cases both gave the same output text.
+    ``whole`` rows with an mmaccel counterpart (and mmaccel ``chunked_ffn`` rows, against the method they wrap), on
+    how many cases both gave the same output text.
 
     Returns
     -------
@@ -621,7 +629,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for key, rs in groups.items():
         ok = [r for r in rs if r["status"] == "ok"]
-        mate = counterpart(rs[0]) if rs[0]["side"] == "kvpress" else None
+        mate = counterpart(rs[0]) if rs[0]["side"] == "kvpress" else unwrapped(rs[0]["method"])
         same = None
         if mate is not None:
             pairs = [(r.get("output_text"), outputs.get(("mmaccel", "whole", mate, r["ratio"], r["case"])))
@@ -704,6 +712,28 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def merge_records(earlier: Path, job: dict) -> list[dict]:
+    """The records of an earlier run's output folder, to merge into this run's table.
+
+    Raises
+    ------
+    ValueError
+        The folder lacks ``cases.json`` / ``records.jsonl``, or its cases (token ids) or memory meter differ from
+        this run's: only runs on the same prompts and meter can share a table.
+    """
+    cases_path, records_path = earlier / "cases.json", earlier / "records.jsonl"
+    if not cases_path.is_file() or not records_path.is_file():
+        raise ValueError(f"--merge {earlier}: no cases.json and records.jsonl there; give an earlier --out folder")
+    old = json.loads(cases_path.read_text(encoding="utf-8"))
+    if [c["input_ids"] for c in old["cases"]] != [c["input_ids"] for c in job["cases"]]:
+        raise ValueError(f"--merge {earlier}: its prompts differ from this run's; use the same --model, --lengths, "
+                         "--cases, --seed and --chat-template")
+    if old.get("memory_meter", "rss") != job["memory_meter"]:
+        raise ValueError(f"--merge {earlier}: it measured peaks with --memory-meter {old.get('memory_meter', 'rss')}"
+                         f", this run with {job['memory_meter']}")
+    return _read_jsonl(records_path)
+
+
 def driver_main(args) -> dict:
     """Build the cases, run mmaccel's side, run kvpress's side in its environment, merge and write the outputs."""
     import torch
@@ -746,6 +776,8 @@ def driver_main(args) -> dict:
         worker_rc = run_kvpress_side(python, job_path, kv_path)
         logger.info("kvpress side: exit code %s after %.0f s", worker_rc, time.perf_counter() - started)
         records += _read_jsonl(kv_path)
+    for earlier in args.merge:
+        records += merge_records(Path(earlier), job)
     records = score_records(records, job["cases"], bytes_per_token)
     kv_versions = next((r["versions"] for r in records if r["side"] == "kvpress"), None)
     mm_versions = next((r["versions"] for r in records if r["side"] == "mmaccel"), None)
@@ -754,7 +786,7 @@ def driver_main(args) -> dict:
         "threads": args.threads, "dtype": args.dtype, "memory_meter": args.memory_meter,
         "max_new_tokens": args.max_new_tokens, "seed": args.seed,
         "chat_template": job["chat_template"], "haystack": "builtin" if args.haystack is None else str(args.haystack),
-        "mmaccel_methods": list(args.mmaccel_methods),
+        "mmaccel_methods": list(args.mmaccel_methods), "merged_from": [str(d) for d in args.merge],
         "kvpress_presses": list(args.kvpress_presses), "kvpress_modes": list(args.kvpress_modes),
         "kvpress_venv": str(args.venv), "kvpress_worker_exit_code": worker_rc, "mmaccel_versions": mm_versions,
         "kvpress_versions": kv_versions, "kv_bytes_per_token": bytes_per_token,
@@ -791,6 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=list(DEFAULT_KVPRESS_PRESSES))
     p.add_argument("--kvpress-modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--sides", nargs="+", default=["mmaccel", "kvpress"], choices=["mmaccel", "kvpress"])
+    p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
+                   help="earlier --out folders on the same prompts and meter whose records join this table")
     return p
 
 

@@ -238,3 +238,39 @@ def test_merged_table_from_fake_records(tmp_path):
     assert "mmaccel vs kvpress 0.5.5" in table
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_unwrapped_names_the_method_a_chunked_ffn_row_wraps():
+    assert vk.unwrapped("chunked_ffn:chunk=512:method=snapkv") == "snapkv"
+    assert vk.unwrapped("chunked_ffn:chunk=64:method=snapkv,window=64,kernel_size=5") == (
+        "snapkv:window=64:kernel_size=5")
+    assert vk.unwrapped("chunked:chunk=512:method=snapkv") is None
+    assert vk.unwrapped("snapkv") is None
+
+
+def test_merge_takes_only_a_run_on_the_same_prompts_and_meter(tmp_path):
+    job = {"cases": [{"input_ids": [1, 2, 3]}], "memory_meter": "allocator"}
+    with pytest.raises(ValueError, match="no cases.json and records.jsonl"):
+        vk.merge_records(tmp_path, job)
+    (tmp_path / "records.jsonl").write_text(json.dumps({"side": "mmaccel", "case": "a"}) + "\n")
+    (tmp_path / "cases.json").write_text(json.dumps({**job, "cases": [{"input_ids": [1, 2, 4]}]}))
+    with pytest.raises(ValueError, match="prompts differ"):
+        vk.merge_records(tmp_path, job)
+    (tmp_path / "cases.json").write_text(json.dumps({**job, "memory_meter": "rss"}))
+    with pytest.raises(ValueError, match="--memory-meter rss"):
+        vk.merge_records(tmp_path, job)
+    (tmp_path / "cases.json").write_text(json.dumps(job))
+    assert vk.merge_records(tmp_path, job) == [{"side": "mmaccel", "case": "a"}]
+
+
+def test_a_chunked_ffn_row_is_compared_with_the_method_it_wraps():
+    cases = [{"id": "a", "length": 1000, "depth": 0.25, "answer": "12345"},
+             {"id": "b", "length": 1000, "depth": 0.75, "answer": "67890"}]
+    records = [_rec("mmaccel", "whole", "snapkv", 0.25, "a", " 12345"),
+               _rec("mmaccel", "whole", "snapkv", 0.25, "b", " 11111"),
+               _rec("mmaccel", "whole", "chunked_ffn:chunk=512:method=snapkv", 0.25, "a", " 12345"),
+               _rec("mmaccel", "whole", "chunked_ffn:chunk=512:method=snapkv", 0.25, "b", " 67890")]
+    rows = {r["method"]: r for r in vk.summarize(vk.score_records(records, cases, bytes_per_token=100))}
+    assert rows["chunked_ffn:chunk=512:method=snapkv"]["same_output"] == [1, 2]
+    assert rows["chunked_ffn:chunk=512:method=snapkv"]["counterpart"] == "snapkv"
+    assert rows["snapkv"]["same_output"] is None
