@@ -430,15 +430,28 @@ def _worker_env() -> dict:
     return env
 
 
+def _is_full_attention(template: str) -> bool:
+    """Whether an mmaccel template is full attention, alone or under wrappers (``chunked_ffn:chunk=512``)."""
+    from mmaccel.longctx import FullAttention, build_method
+
+    if "{r}" in template:
+        return False
+    method = build_method(template)
+    while not isinstance(method, FullAttention) and hasattr(method, "method"):
+        method = method.method
+    return isinstance(method, FullAttention)
+
+
 def mmaccel_specs(templates, ratios) -> list[tuple[str, str, float | None]]:
-    """``(label, spec, ratio)`` for every mmaccel method template at every ratio (``full`` once, ratio ``None``).
+    """``(label, spec, ratio)`` for every mmaccel method template at every ratio (full attention, alone or under a
+    wrapper such as ``chunked_ffn:chunk=512``, once, ratio ``None``).
 
     ``{r}`` in a template is replaced by the ratio; a template without it gets ``:ratio=r`` appended. The label is
     the template without its ratio (``"adakv:method=snapkv"``).
     """
     out = []
     for template in templates:
-        if template.split(":")[0] == "full":
+        if _is_full_attention(template):
             out.append((template, template, None))
             continue
         label = re.sub(r"[:,]ratio=\{r\}", "", template)

@@ -124,9 +124,11 @@ def test_parse_press_spec():
 
 
 def test_mmaccel_specs_expand_ratios_and_build():
-    specs = vk.mmaccel_specs(["full", "snapkv", "adakv:method=snapkv,ratio={r}"], [0.125, 0.25])
+    specs = vk.mmaccel_specs(["full", "chunked_ffn:chunk=512", "snapkv", "adakv:method=snapkv,ratio={r}"],
+                             [0.125, 0.25])
     assert specs == [
         ("full", "full", None),
+        ("chunked_ffn:chunk=512", "chunked_ffn:chunk=512", None),
         ("snapkv", "snapkv:ratio=0.125", 0.125),
         ("snapkv", "snapkv:ratio=0.25", 0.25),
         ("adakv:method=snapkv", "adakv:method=snapkv,ratio=0.125", 0.125),
