@@ -52,6 +52,9 @@ fewer and the cache holds the same total. SnapKV's hyper-parameters differ betwe
 window 32, pooling kernel 7; kvpress: 64 and 5), so both settings run on both sides. Known remaining differences:
 mmaccel's StreamingLLM also evicts during decoding (the reference behaviour); kvpress's compresses at prefill only.
 
+Runs can be split: ``--merge DIR...`` adds the records of earlier ``--out`` folders made on the same prompts with the
+same meter (checked), and ``--sides`` with no value runs nothing and only merges.
+
 Outputs (``--out DIR``)
 -----------------------
 ``cases.json``
@@ -835,7 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mmaccel-methods", nargs="+", default=list(DEFAULT_MMACCEL_METHODS))
     p.add_argument("--kvpress-presses", nargs="+", default=list(DEFAULT_KVPRESS_PRESSES))
     p.add_argument("--kvpress-modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--sides", nargs="+", default=["mmaccel", "kvpress"], choices=["mmaccel", "kvpress"])
+    p.add_argument("--sides", nargs="*", default=["mmaccel", "kvpress"], choices=["mmaccel", "kvpress"],
+                   help="which sides run (none with --merge: only merge earlier folders into one table)")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
                    help="earlier --out folders on the same prompts and meter whose records join this table")
     return p
