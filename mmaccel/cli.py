@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", nargs="+", type=_positive_int, default=[1024, 2048, 4096], metavar="N")
     p.add_argument("--depths", nargs="+", type=_depth, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D")
     p.add_argument("--trials", type=_positive_int, default=3)
+    p.add_argument("--memory-meter", choices=["rss", "allocator"], default="rss",
+                   help="CPU peak memory: the sampled RSS growth (default) or torch's CPU allocations under the "
+                        "profiler (exact tensor bytes, comparable across runs; the profiler's cost is in the timings)")
     p.add_argument("--out", default="runs/niah", help="output folder (default runs/niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_niah)
@@ -572,7 +575,7 @@ def cmd_niah(args) -> int:
         model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
         haystack=args.haystack, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
         out_dir=args.out, progress=not args.no_progress and main_process, chat_template=chat, state=state,
-        **templates,
+        memory_meter=args.memory_meter, **templates,
     )
     if not main_process:
         return 0

@@ -339,3 +339,13 @@ def test_micro_lm_answers_at_512_tokens_with_full_attention():
     model, tok = load("micro-lm", device="cpu")
     res = run_niah(model, tok, ["full"], [512], [0.25, 0.75], 2, max_new_tokens=8, warmup=0, progress=False)
     assert res.accuracy("full") >= 0.75, [(r["output_text"], r["extra"]["answer"]) for r in res.records]
+
+
+def test_run_niah_measures_exact_peaks_on_request(tiny):
+    model, tok = tiny
+    res = run_niah(model, tok, ["full"], [128], [0.5], 1, max_new_tokens=2, progress=False, memory_meter="allocator")
+    assert [r["peak_memory_method"] for r in res.records] == ["cpu_allocator_profiled"]
+    assert res.records[0]["peak_memory_bytes"] >= res.records[0]["kv_cache_bytes_prefill"] > 0
+    assert res.summary["config"]["memory_meter"] == "allocator"
+    with pytest.raises(ValueError, match="memory_meter must be one of"):
+        run_niah(model, tok, ["full"], [128], [0.5], 1, progress=False, memory_meter="exact")

@@ -50,6 +50,7 @@ from .haystack import (
     score_answer,
     score_answer_contains,
 )
+from .memory import CPU_METERS
 
 logger = logging.getLogger(__name__)
 
@@ -539,6 +540,7 @@ def run_niah(
     out_dir=None,
     progress: bool = True,
     state=None,
+    memory_meter: str = "rss",
 ) -> NIAHResult:
     """Run a NIAH sweep: every method on every (length, depth, trial) prompt, sharded over processes when launched
     with ``accelerate launch`` (see the module docstring).
@@ -574,6 +576,10 @@ def run_niah(
         sweep also writes ``shard-{k}-of-{N}/`` there; every process must see the same folder.
     progress : bool
         Show a tqdm progress bar.
+    memory_meter : {"rss", "allocator"}
+        How ``peak_memory_bytes`` is measured off CUDA (:func:`~mmaccel.eval.generation.generate_measured`): the
+        sampled RSS (default) or torch's exact CPU allocations under the profiler (comparable across runs and
+        processes; the profiler's per-op cost is inside the timings).
     state : accelerate.PartialState, optional
         The processes to shard over; default :func:`process_state` for the model's device. One process (no
         ``accelerate launch``, or ``--num_processes 1``) runs every cell, exactly as without accelerate.
@@ -594,6 +600,8 @@ def run_niah(
         (e.g. another sweep wrote into the same folder at the same time).
     """
     resolved = resolve_methods(methods)
+    if memory_meter not in CPU_METERS:
+        raise ValueError(f"memory_meter must be one of {CPU_METERS}, got {memory_meter!r}")
     use_chat = resolve_chat_template(tokenizer, chat_template)
     samples = build_samples(
         tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,
@@ -634,6 +642,7 @@ def run_niah(
             rec = generate_measured(
                 model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
                 repeats=repeats, warmup=0 if m in warmed else warmup, warmup_ids=warm.input_ids,
+                memory_meter=memory_meter,
             )
             warmed.add(m)
             rec.extra.update(
@@ -664,6 +673,7 @@ def run_niah(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "warmup": warmup,
+        "memory_meter": memory_meter,
     }
     if n_proc == 1:
         summary = summarize(records, lengths, depths)
