@@ -14,6 +14,7 @@ Output: the peak (MiB) and a table of the largest groups, printed and written to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 from collections import defaultdict
@@ -107,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="full", help="niah: a KV spec; video: a VISION[+KV] configuration or none")
     p.add_argument("--length", type=int, default=4096, help="niah prompt tokens")
     p.add_argument("--frames", type=int, default=64, help="video frames")
+    p.add_argument("--vision-batch", type=int, default=None,
+                   help="video: encode the frames N at a time (mmaccel.vision_tokens.BatchedVisionEncoding)")
     p.add_argument("--depth", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -122,11 +125,16 @@ def main(argv=None) -> int:
     model, proc = load(args.model, device="cpu", dtype=torch.float32)
     tokenizer = getattr(proc, "tokenizer", proc)
     inputs, kwargs = (_niah_inputs if args.task == "niah" else _video_inputs)(args, proc)
-    generate_measured(model, tokenizer, inputs, max_new_tokens=1, warmup=0, raise_errors=True, **kwargs)  # warm
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True, with_stack=True) as prof:
-        rec = generate_measured(model, tokenizer, inputs, max_new_tokens=args.max_new_tokens, warmup=0,
-                                raise_errors=True, **kwargs)
+    with contextlib.ExitStack() as stack:
+        if args.vision_batch:
+            from mmaccel.vision_tokens import BatchedVisionEncoding
+
+            stack.enter_context(BatchedVisionEncoding(model, args.vision_batch))
+        generate_measured(model, tokenizer, inputs, max_new_tokens=1, warmup=0, raise_errors=True, **kwargs)  # warm
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, profile_memory=True, with_stack=True) as prof:
+            rec = generate_measured(model, tokenizer, inputs, max_new_tokens=args.max_new_tokens, warmup=0,
+                                    raise_errors=True, **kwargs)
     peak, groups = live_at_peak(prof)
     top = list(groups.items())[: args.top]
     print(f"{args.task} {args.model} {args.method} ({args.length if args.task == 'niah' else args.frames}): "
