@@ -253,6 +253,22 @@ def test_batched_vision_encoding_gives_the_same_output_and_keeps_only_the_read_l
     assert out.hidden_states[read].shape[0] == 7
 
 
+def test_batched_vision_encoding_drops_the_tower_output_once_projected(llava):
+    """LLaVA keeps the tower's output in ``image_outputs`` through the language model; in the context only the
+    projected features stay, and the logits are those of the plain model."""
+    from mmaccel.vision_tokens import BatchedVisionEncoding
+
+    inputs = _frames_prompt(5, seed=6)
+    with torch.inference_mode():
+        plain = llava(**inputs)
+        with BatchedVisionEncoding(llava, batch=2):
+            batched = llava(**inputs)
+    assert plain.image_outputs.last_hidden_state is not None
+    assert batched.image_outputs.last_hidden_state is None and batched.image_outputs.hidden_states is None
+    assert len(batched.image_outputs.pooler_output) == 5
+    torch.testing.assert_close(batched.logits, plain.logits, rtol=1e-5, atol=1e-5)
+
+
 def test_batched_vision_encoding_refuses_bad_batches_and_other_layouts(llava, qwen2vl):  # noqa: F811
     from mmaccel.vision_tokens import BatchedVisionEncoding
 

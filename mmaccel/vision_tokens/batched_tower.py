@@ -31,6 +31,16 @@ class BatchedTower(nn.Module):
         super().__init__()
         self.tower, self.batch, self.keep = tower, batch, keep
         self.config = tower.config
+        self.last_output: BaseModelOutputWithPooling | None = None
+
+    def release(self) -> None:
+        """Drop the tensors of the last output (its ``last_hidden_state`` and ``hidden_states``), which LLaVA keeps
+        referenced until its language model has run although only the projector reads them (see
+        :class:`BatchedVisionEncoding`)."""
+        out, self.last_output = self.last_output, None
+        if out is not None:
+            out.last_hidden_state = None
+            out.hidden_states = None
 
     def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
         last, pooled, kept = [], [], {i: [] for i in self.keep}
@@ -44,8 +54,10 @@ class BatchedTower(nn.Module):
             del out
         n = int(self.config.num_hidden_layers) + 1
         hidden = tuple(torch.cat(kept[i]) if kept.get(i) else None for i in range(n))
-        return BaseModelOutputWithPooling(last_hidden_state=torch.cat(last),
-                                          pooler_output=torch.cat(pooled) if pooled else None, hidden_states=hidden)
+        self.last_output = BaseModelOutputWithPooling(last_hidden_state=torch.cat(last),
+                                                      pooler_output=torch.cat(pooled) if pooled else None,
+                                                      hidden_states=hidden)
+        return self.last_output
 
 
 class BatchedVisionEncoding:
@@ -57,11 +69,13 @@ class BatchedVisionEncoding:
     ``LlavaModel.get_image_features`` asks the tower for all hidden states (13 layers for DINOv2 ViT-S/14); for N
     frames that is ``13 * N * P * D`` floats at once (2.9 GB for 1,024 frames of 145 x 384 tokens in fp32, if they
     are all alive together). Batched, only the layers the projector reads are kept for all frames. Measured on
-    ``smol-llava`` with 1,024 frames (``video-niah --vision-batch 64``), the run's peak fell only from 2.97 to
-    2.76 GB. By arithmetic (not profiled), the rest is the full-length LLM input: 147,456 placeholder embeddings
-    and as many projected features (340 MB per copy in fp32), several copies alive while they are merged, before any
-    visual-token method reduces them. The features are the same (the tower sees each
-    image alone: no cross-image interaction). Only this model instance changes (its ``vision_tower`` attribute is
+    ``smol-llava`` with 1,024 frames and pooling to 1/16 (exact tensor bytes, ``benchmarks/peak_profile.py``): the
+    unbatched peak is the tower's MLP on every frame (2.6 GB); batched, the peak moves to the language model's
+    prefill, while the full-length merge inputs from before the reduction are still referenced by
+    ``LlavaModel.forward``. LLaVA also keeps the tower's output (``image_outputs``) until its language model is done,
+    although only the projector reads it: here a hook on the projector drops its ``last_hidden_state`` and
+    ``hidden_states`` once the projector has run, so in this context the model's ``image_outputs`` holds only the
+    projected features. The features are the same (the tower sees each image alone: no cross-image interaction). Only this model instance changes (its ``vision_tower`` attribute is
     swapped for a :class:`BatchedTower` holding it).
 
     Notes
@@ -93,14 +107,21 @@ class BatchedVisionEncoding:
             raise ValueError(f"batched vision encoding supports fixed-grid LLaVA models only; {why}")
         self.inner, self.batch = parts.inner, batch
         self._original = None
+        self._hook = None
 
     def __enter__(self) -> BatchedVisionEncoding:  # noqa: PYI034 - Python 3.10 has no typing.Self
         tower = self.inner.vision_tower
         self._original = tower
-        self.inner.vision_tower = BatchedTower(tower, self.batch, _kept_layers(self.inner, tower))
+        batched = BatchedTower(tower, self.batch, _kept_layers(self.inner, tower))
+        self.inner.vision_tower = batched
+        self._hook = self.inner.multi_modal_projector.register_forward_hook(lambda *_: batched.release())
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._original is not None:
+            self.inner.vision_tower.last_output = None  # a caller's own tower output is left as it is
             self.inner.vision_tower = self._original
             self._original = None
