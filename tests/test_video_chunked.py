@@ -265,6 +265,8 @@ def test_batched_vision_encoding_drops_the_tower_output_once_projected(llava):
             batched = llava(**inputs)
     assert plain.image_outputs.last_hidden_state is not None
     assert batched.image_outputs.last_hidden_state is None and batched.image_outputs.hidden_states is None
+    # the ModelOutput's dict entries too, which is what keeps the tensors alive
+    assert [batched.image_outputs.get(k) for k in ("last_hidden_state", "hidden_states")] == [None, None]
     assert len(batched.image_outputs.pooler_output) == 5
     torch.testing.assert_close(batched.logits, plain.logits, rtol=1e-5, atol=1e-5)
 

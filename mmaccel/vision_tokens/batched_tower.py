@@ -38,9 +38,11 @@ class BatchedTower(nn.Module):
         referenced until its language model has run although only the projector reads them (see
         :class:`BatchedVisionEncoding`)."""
         out, self.last_output = self.last_output, None
-        if out is not None:
-            out.last_hidden_state = None
-            out.hidden_states = None
+        if out is not None:  # item assignment: a ModelOutput keeps a dict entry that attribute assignment of None leaves
+            for name in ("last_hidden_state", "hidden_states"):
+                if name in out:
+                    out[name] = None
+                setattr(out, name, None)
 
     def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
         last, pooled, kept = [], [], {i: [] for i in self.keep}
