@@ -82,11 +82,11 @@ def live_at_peak(profiler) -> tuple[int, dict[str, int]]:
 
 
 def _niah_inputs(args, tokenizer):
+    from mmaccel.eval import make_niah_sample
     from mmaccel.eval.haystack import resolve_chat_template
-    from mmaccel.eval.niah import build_samples
 
     chat = resolve_chat_template(tokenizer, "auto")
-    (_, sample), = build_samples(tokenizer, [args.length], [args.depth], 1, seed=args.seed, chat_template=chat)
+    sample = make_niah_sample(tokenizer, args.length, args.depth, seed=args.seed, chat_template=chat)
     return sample.input_ids, {"method": args.method}
 
 

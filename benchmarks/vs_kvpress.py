@@ -716,7 +716,8 @@ def _table_header(config: dict) -> str:
         f"{mm.get('transformers', '?')}; kvpress side: torch {kv.get('torch', '?')}, transformers "
         f"{kv.get('transformers', '?')} (own process). Kept counts match mmaccel's `ceil(ratio x prompt)`; `kept` = "
         "K/V bytes held at the first token / the full prompt's; peak = "
-        f"{peak} (mmaccel's PeakMemory, both sides); prefill = prompt start to the first token's logits. `same as mmaccel`: identical answers to the "
+        f"{peak} (mmaccel's PeakMemory, both sides); prefill = prompt start to the first token's logits. "
+        "`same as mmaccel`: identical answers to the "
         "mmaccel method with the same settings on the same prompts. Median 1-minute load average during the runs: "
         f"{config.get('load_avg_1m_median')} (timings under load are noisy; compare within one run).\n"
     )
@@ -772,7 +773,8 @@ def driver_main(args) -> dict:
     job = {
         "model": model_path, "dtype": args.dtype, "threads": args.threads, "attn_implementation": "sdpa",
         "max_new_tokens": args.max_new_tokens, "ratios": list(args.ratios), "modes": list(args.kvpress_modes),
-        "presses": list(args.kvpress_presses), "memory_meter": args.memory_meter, "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
+        "presses": list(args.kvpress_presses), "memory_meter": args.memory_meter,
+        "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
         "gen_kwargs": generation_kwargs(model, tokenizer), **built,
     }
     job_path = out / "cases.json"

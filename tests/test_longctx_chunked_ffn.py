@@ -13,8 +13,9 @@ def sdpa():
     return tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, attn="sdpa")
 
 
-def _mlp_calls(model) -> list[int]:
-    """Sequence lengths each layer-0 MLP call saw (a hook on the layer's own MLP, found under any wrapper)."""
+def _mlp_calls(model):
+    """``(lengths, handle)``: the sequence lengths each call of layer 0's own MLP sees (a hook on it, found under any
+    wrapper), and the hook's handle to remove."""
     seen: list[int] = []
     layer = feed_forward_owners(model)[0]
     own = layer.mlp.mlp if isinstance(layer.mlp, ChunkedMLP) else layer.mlp

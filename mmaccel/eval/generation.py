@@ -70,7 +70,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from ..longctx import METHODS as KV_METHODS
 from ..longctx import build_method, kv_cache_bytes
 from ..specs import parse_method_spec
-from .memory import CPU_METERS, PeakMemory
+from .memory import PeakMemory, check_cpu_meter
 
 logger = logging.getLogger(__name__)
 
@@ -809,8 +809,9 @@ def generate_measured(
     ValueError
         Configuration errors, before any run: an unknown method or bad method arguments (e.g. a draft length
         ``k <= 0``), a draft model with another vocabulary or tokenizer, an empty or batched prompt,
-        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``, ``temperature < 0`` or an unknown ``memory_meter``; a composition that cannot
-        be exact (:func:`check_composition`), or ``vision`` without image/video inputs.
+        ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``, ``temperature < 0`` or an unknown
+        ``memory_meter``; a composition that cannot be exact (:func:`check_composition`), or ``vision`` without
+        image/video inputs.
     UnsupportedModelError
         (a ``ValueError``) ``vision`` on a model the method does not support.
     """
@@ -820,8 +821,7 @@ def generate_measured(
         )
     if temperature is None or not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if memory_meter not in CPU_METERS:
-        raise ValueError(f"memory_meter must be one of {CPU_METERS}, got {memory_meter!r}")
+    check_cpu_meter(memory_meter, "memory_meter")
     kv_obj, kv_label = resolve_kv(kv)
     vision_obj, vision_label = resolve_vision(vision)
     if method is None and kv_obj is not None:

@@ -40,6 +40,12 @@ CPU_METERS = ("rss", "allocator")
 """What :class:`PeakMemory` measures off CUDA: the sampled process RSS, or torch's CPU allocations (exact)."""
 
 
+def check_cpu_meter(value, name: str = "cpu_meter") -> None:
+    """Raise ``ValueError`` (naming the argument ``name``) unless ``value`` is one of :data:`CPU_METERS`."""
+    if value not in CPU_METERS:
+        raise ValueError(f"{name} must be one of {CPU_METERS}, got {value!r}")
+
+
 def rss_bytes() -> int | None:
     """Resident set size of this process in bytes, from ``/proc/self/statm`` (``None`` where unavailable)."""
     try:
@@ -91,8 +97,7 @@ class PeakMemory:
     """
 
     def __init__(self, device: torch.device, cpu_meter: str = "rss"):
-        if cpu_meter not in CPU_METERS:
-            raise ValueError(f"cpu_meter must be one of {CPU_METERS}, got {cpu_meter!r}")
+        check_cpu_meter(cpu_meter)
         self.device = device
         self.peak: int | None = None
         if device.type == "cuda":

@@ -50,7 +50,7 @@ from .haystack import (
     score_answer,
     score_answer_contains,
 )
-from .memory import CPU_METERS
+from .memory import check_cpu_meter
 
 logger = logging.getLogger(__name__)
 
@@ -600,8 +600,7 @@ def run_niah(
         (e.g. another sweep wrote into the same folder at the same time).
     """
     resolved = resolve_methods(methods)
-    if memory_meter not in CPU_METERS:
-        raise ValueError(f"memory_meter must be one of {CPU_METERS}, got {memory_meter!r}")
+    check_cpu_meter(memory_meter, "memory_meter")
     use_chat = resolve_chat_template(tokenizer, chat_template)
     samples = build_samples(
         tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,

@@ -38,11 +38,10 @@ class BatchedTower(nn.Module):
         referenced until its language model has run although only the projector reads them (see
         :class:`BatchedVisionEncoding`)."""
         out, self.last_output = self.last_output, None
-        if out is not None:  # item assignment: a ModelOutput keeps a dict entry that attribute assignment of None leaves
-            for name in ("last_hidden_state", "hidden_states"):
-                if name in out:
-                    out[name] = None
-                setattr(out, name, None)
+        for name in ("last_hidden_state", "hidden_states"):
+            # item assignment sets the attribute too; attribute assignment of None would leave the dict entry alive
+            if out is not None and name in out:
+                out[name] = None
 
     def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
         last, pooled, kept = [], [], {i: [] for i in self.keep}
@@ -77,7 +76,8 @@ class BatchedVisionEncoding:
     ``LlavaModel.forward``. LLaVA also keeps the tower's output (``image_outputs``) until its language model is done,
     although only the projector reads it: here a hook on the projector drops its ``last_hidden_state`` and
     ``hidden_states`` once the projector has run, so in this context the model's ``image_outputs`` holds only the
-    projected features. The features are the same (the tower sees each image alone: no cross-image interaction). Only this model instance changes (its ``vision_tower`` attribute is
+    projected features. The features are the same (the tower sees each image alone: no cross-image interaction).
+    Only this model instance changes (its ``vision_tower`` attribute is
     swapped for a :class:`BatchedTower` holding it).
 
     Notes
