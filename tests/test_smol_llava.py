@@ -429,3 +429,30 @@ def test_cls_attention_methods_run_on_the_dinov2_tower(built, batch, spec):
     n = int(inputs["input_ids"][0].eq(model.config.image_token_id).sum())  # 12 x 12 = 144 visual tokens a row
     assert method.telemetry["tokens_before"] == [n, n]
     assert method.telemetry["tokens_after"] == [n // 4, n // 4]
+
+
+def test_bf16_autocast_training_step_matches_fp32_loss_and_updates_fp32_weights(built):
+    """``autocast="bf16"``: the step's loss is the fp32 step's within bf16 rounding, the projector's weights stay
+    float32 and move; an unknown value is one error that lists the choices."""
+    model, processor = built
+    qas = make_scene_qa(4, seed=7, per_scene=2)
+    examples, images = tr.encode_examples(processor, qas, turns=2)
+    feats = tr.cache_features(model, processor, images)
+    batch = tr.collate(examples, processor.tokenizer.pad_token_id)
+    params = tr.freeze_all_but_projector(model)
+    before = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            ref, _ = tr.answer_loss(model, batch, feats)
+        opt = torch.optim.SGD(params, lr=1e-2)
+        m = tr.train_step(model, opt, batch, feats, autocast="bf16")
+        assert abs(m["loss"] - float(ref)) < 0.05 * float(ref)
+        assert all(p.dtype == torch.float32 for p in params)
+        assert any(not torch.equal(p, q) for p, q in zip(params, before))
+    finally:
+        with torch.no_grad():
+            for p, q in zip(params, before):
+                p.copy_(q)
+        model.requires_grad_(False)
+    with pytest.raises(ValueError, match="unknown autocast 'fp16'.*none.*bf16"):
+        tr.autocast_context("fp16")

@@ -564,4 +564,4 @@ def embed_with_features(model, input_ids: torch.Tensor, features: torch.Tensor) 
     if int(mask.sum()) != projected.shape[0]:
         raise ValueError(f"the ids hold {int(mask.sum())} {IMAGE_TOKEN} tokens but the features give "
                          f"{projected.shape[0]} visual tokens ({tuple(features.shape[:2])})")
-    return embeds.masked_scatter(mask.unsqueeze(-1), projected)
+    return embeds.masked_scatter(mask.unsqueeze(-1), projected.to(embeds.dtype))  # autocast runs the projector in bf16
