@@ -228,22 +228,27 @@ def test_frame_grids_group_runs_of_same_size_images_per_row():
 # ------------------------------------------------------------------------------------------ batched vision encoding
 def test_batched_vision_encoding_gives_the_same_output_and_keeps_only_the_read_layer(llava):
     from mmaccel.vision_tokens import BatchedTower, BatchedVisionEncoding
+    from mmaccel.vision_tokens.batched_tower import BatchedProjector
 
     inputs = _frames_prompt(7, seed=4)
     plain = _generate(llava, inputs)
-    tower = llava.model.vision_tower
-    calls = []
+    tower, projector = llava.model.vision_tower, llava.model.multi_modal_projector
+    calls, projected = [], []
     handle = tower.register_forward_hook(lambda m, a, out: calls.append((a[0].shape[0], out)))
+    handle2 = projector.register_forward_hook(lambda m, a, out: projected.append(a[0].shape[0]))
     try:
         with BatchedVisionEncoding(llava, batch=3), Pooling(keep_ratio=0.5).apply(llava):
             assert isinstance(llava.model.vision_tower, BatchedTower)
+            assert isinstance(llava.model.multi_modal_projector, BatchedProjector)
             batched = _generate(llava, inputs)
+            assert projected == [3, 3, 1]  # the projector too runs 3 frames at a time
         with Pooling(keep_ratio=0.5).apply(llava):
             pooled = _generate(llava, inputs)
         _same_generation(_generate(llava, inputs), plain)
     finally:
         handle.remove()
-    assert llava.model.vision_tower is tower  # put back
+        handle2.remove()
+    assert llava.model.vision_tower is tower and llava.model.multi_modal_projector is projector  # put back
     assert [n for n, _ in calls[:3]] == [3, 3, 1]  # 7 frames, 3 at a time
     _same_generation(batched, pooled)
     with BatchedVisionEncoding(llava, batch=3):

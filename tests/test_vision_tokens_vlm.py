@@ -420,3 +420,63 @@ def test_unsupported_models_get_one_clear_error(llava, qwen2vl):
         pass
     # nothing was left attached by the refusals
     assert not llava_model.model.language_model._forward_pre_hooks
+
+
+# ------------------------------------------------------------------------------------------------ reduce before the merge
+def _lm_inputs(model, method, inputs, before_merge, monkeypatch):
+    """Run ``generate`` and a plain forward under ``method`` with the reduction before LlavaModel's merge (or at the
+    language model's entry); return the ids' lengths the embedding table saw, the language model's prefill inputs
+    (as it receives them) and the forward's logits."""
+    monkeypatch.setattr(type(method), "reduce_before_merge", before_merge)
+    embedded, seen = [], []
+    with method.apply(model):
+        h1 = model.get_input_embeddings().register_forward_hook(lambda m, a, o: embedded.append(a[0].shape[1]))
+        h2 = model.model.language_model.register_forward_pre_hook(
+            lambda m, a, k: seen.append({n: k.get(n) for n in ("inputs_embeds", "position_ids", "attention_mask")}),
+            with_kwargs=True)
+        try:
+            out = _generate(model, inputs, n=3)
+            with torch.no_grad():
+                logits = model(**inputs).logits
+        finally:
+            h1.remove()
+            h2.remove()
+    return embedded, seen, out, logits
+
+
+@pytest.mark.parametrize("spec,images", [("pooling:keep_ratio=0.25", 1), ("visionzip:keep_ratio=0.25", 1),
+                                         ("prumerge:keep_ratio=0.25", 1), ("aim:keep_ratio=0.25", 1),
+                                         ("temporal-tome:keep_ratio=0.4", 3)])
+def test_llava_reduce_before_merge_gives_the_language_model_the_same_inputs(llava, spec, images, monkeypatch):
+    """On LLaVA a pre-LLM method shortens the ids and the projected features before ``LlavaModel`` merges them, so
+    the embedding table only ever sees the kept ids; the language model's prefill inputs (embeddings, original
+    positions, mask), the generated tokens and a plain forward's logits equal the late path's bit for bit."""
+    model, processor, inputs = llava
+    if images > 1:  # a 3-frame clip in one row, as a LLaVA-1.5 model is fed a video
+        inputs = processor(images=_images(3, seed=1), text=["<image><image><image> describe"], return_tensors="pt")
+    L = inputs["input_ids"].shape[1]
+    late = _lm_inputs(model, build_method(spec), inputs, False, monkeypatch)
+    early = _lm_inputs(model, method := build_method(spec), inputs, True, monkeypatch)
+    K = method.telemetry["sequence_after"]
+    assert K < L
+    assert late[0][0] == L and early[0][0] == K  # the prefill's embedding lookups: full ids against kept ids
+    assert len(early[1]) == len(late[1])
+    for a, b in zip(early[1], late[1]):
+        for name in a:
+            assert (a[name] is None and b[name] is None) or torch.equal(a[name], b[name]), name
+    assert torch.equal(early[2], late[2])
+    assert torch.equal(early[3], late[3]) and early[3].shape[1] == K
+
+
+def test_packed_rows_views_llavas_feature_list_and_copies_any_other():
+    from mmaccel.vision_tokens.base import PlacedFeatures, _packed_rows
+
+    projected = torch.randn(3, 4, 5)
+    rows = _packed_rows(list(projected))  # LlavaModel.get_image_features' pooler_output
+    assert rows.shape == (12, 5) and rows.data_ptr() == projected.data_ptr() and torch.equal(rows, projected.reshape(12, 5))
+    separate = [torch.randn(4, 5), torch.randn(2, 5)]
+    rows = _packed_rows(separate)
+    assert torch.equal(rows, torch.cat(separate)) and rows.data_ptr() != separate[0].data_ptr()
+    assert torch.equal(_packed_rows(list(projected)[::2]), projected[::2].reshape(8, 5))  # not consecutive: a copy
+    with pytest.raises(ValueError, match="3 image placeholders but the encoder gave 6 tokens"):
+        PlacedFeatures(torch.tensor([[True, False, True, True]]), rows)

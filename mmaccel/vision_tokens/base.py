@@ -15,7 +15,10 @@ touches a transformers model lives here once:
   (:meth:`ImageReducer.plan_image`); the base lifts the per-image plans to one :class:`~.plan.TokenPlan` over the
   whole sequence and applies it at the entry of the language model to the embeddings, the position ids (LLaVA's
   1-D ids, Qwen2-VL's 3-D M-RoPE ids) and the attention mask, then keeps the 2-D mask of every later decode step in
-  line with the shorter cache.
+  line with the shorter cache. On fixed-grid LLaVA models the same plan is applied earlier, to the projected
+  features and the placeholder ids before ``LlavaModel`` merges them (:class:`PlacedFeatures`), so that no
+  full-length sequence is built: the language model's inputs are the same, the memory of the full-length merge is
+  saved (1,024 video frames: see ``benchmarks/results/vision/video_peak_profile/``).
 - :class:`LayerPruner` -- in-LLM pruning at decoder layer ``K``: layers ``>= K`` see the reduced sequence; their
   rotary tables, position ids and 4-D masks are reduced by the same plan, at prefill and at every decode step.
 
@@ -71,6 +74,7 @@ __all__ = [
     "ImageGrid",
     "ImageReducer",
     "LayerPruner",
+    "PlacedFeatures",
     "UnsupportedModelError",
     "VLMParts",
     "VisionTokenMethod",
@@ -197,9 +201,10 @@ class VisionTokenMethod:
                 fn()
 
 
-def _hook(undo: list, module: nn.Module, fn: Callable, *, pre: bool, with_kwargs: bool = True) -> None:
+def _hook(undo: list, module: nn.Module, fn: Callable, *, pre: bool, with_kwargs: bool = True,
+          first: bool = False) -> None:
     if pre:
-        handle = module.register_forward_pre_hook(fn, with_kwargs=with_kwargs)
+        handle = module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=first)
     else:
         handle = module.register_forward_hook(fn, with_kwargs=with_kwargs)
     undo.append(handle.remove)
@@ -445,7 +450,9 @@ def _attach_outer(parts: VLMParts, state: _RunState, undo: list) -> None:
             state.pending, state.plan = None, None  # a new prompt without images: nothing to reduce
         return args, kwargs
 
-    _hook(undo, parts.inner, pre, pre=True)
+    # first: every method reads the layout of the ids as given, before a pre-LLM method shortens them
+    # (:func:`_attach_reduce_before_merge`), whichever method was applied first
+    _hook(undo, parts.inner, pre, pre=True, first=True)
     if parts.kind == "qwen2_vl":  # generate() drops image_grid_thw once the tower has run: record it there
 
         def tower_pre(module, args, kwargs):
@@ -600,6 +607,11 @@ class ImageReducer(VisionTokenMethod):
 
     stage: ClassVar[str] = "pre-llm"
     needs_cls_attention: ClassVar[bool] = False
+    #: On fixed-grid LLaVA models, reduce the projected features and the placeholder ids *before* ``LlavaModel``
+    #: merges them (:func:`_attach_reduce_before_merge`), so that the full-length embeddings never exist; the
+    #: language model receives the same inputs either way. ``False`` reduces at the language model's entry, as on
+    #: AnyRes and Qwen2-VL models.
+    reduce_before_merge: ClassVar[bool] = True
 
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         """Plan one image (one grid).
@@ -670,6 +682,8 @@ class ImageReducer(VisionTokenMethod):
             return args, kwargs
 
         _hook(undo, parts.lm, lm_pre, pre=True)
+        if parts.kind == "llava" and self.reduce_before_merge:
+            _attach_reduce_before_merge(self, parts, state, undo)
 
         def forget():
             for name in ("_mmaccel_visual_mask", "_mmaccel_attention_mask"):
@@ -706,6 +720,115 @@ class ImageReducer(VisionTokenMethod):
                           "kept_positions": plan.index.tolist()}
         logger.debug("%s: %d -> %d visual tokens", self.name, sum(before), sum(after))
         return plan
+
+
+class PlacedFeatures:
+    """Projected image tokens in placeholder order, indexed like the [B, L, D] embeddings they would fill.
+
+    ``LlavaModel`` scatters its packed image features [N, D] into the placeholder positions of ``input_ids`` in
+    row-major order. This object gives a method's planner the same view (``placed[b, positions]`` -> [n, D], the
+    features at those sequence positions) without building the [B, L, D] embeddings, and applies a sequence plan to
+    the features alone (:meth:`reduce`).
+
+    Parameters
+    ----------
+    image_mask : torch.Tensor
+        [B, L] bool, the placeholder positions (N of them).
+    features : torch.Tensor
+        [N, D] in placeholder order.
+
+    Raises
+    ------
+    ValueError
+        If the mask holds a different number of placeholders than there are feature rows.
+    """
+
+    def __init__(self, image_mask: torch.Tensor, features: torch.Tensor):
+        n = int(image_mask.sum())
+        if n != features.shape[0]:
+            raise ValueError(f"the ids hold {n} image placeholders but the encoder gave {features.shape[0]} tokens")
+        self.image_mask, self.features = image_mask, features
+        self.row = torch.full(image_mask.shape, -1, dtype=torch.long, device=image_mask.device)
+        self.row[image_mask] = torch.arange(n, device=image_mask.device)
+
+    def __getitem__(self, key: tuple[int, torch.Tensor]) -> torch.Tensor:
+        b, positions = key
+        return self.features[self.row[b, positions].to(self.features.device)]
+
+    def reduce(self, plan: TokenPlan) -> torch.Tensor:
+        """The image tokens the language model sees under ``plan`` (a [B, L] sequence plan whose merges stay within
+        image spans): [K_img, D], in the row-major order of the kept placeholders, equal to ``plan.merge(embeds)``
+        at those positions."""
+        slot = plan.slot_of()
+        representative = torch.where(slot >= 0, plan.index.gather(1, slot.clamp(min=0)), -1)
+        rows = torch.where(representative >= 0, self.row.gather(1, representative.clamp(min=0)), -1)
+        weight = None if plan.weight is None else plan.weight[self.image_mask][None]
+        image_plan = TokenPlan.from_representatives(rows[self.image_mask][None], weight)
+        return image_plan.merge(self.features[None])[0]
+
+
+def _packed_rows(features: Any) -> torch.Tensor:
+    """``pooler_output`` of ``get_image_features`` (a [I, n, D] tensor, or a list of [n_i, D] tensors) as [N, D] rows.
+
+    LLaVA's list holds consecutive views of the projector's one output tensor; that tensor is returned as a view, so
+    no copy of the features is made. Any other list is concatenated."""
+    if isinstance(features, torch.Tensor):
+        return features.reshape(-1, features.shape[-1])
+    items = list(features)
+    base = items[0]._base if items else None
+    if base is not None and base.is_contiguous() and all(t._base is base and t.is_contiguous() for t in items):
+        offsets = [t.data_ptr() - base.data_ptr() for t in items]
+        starts = [0]
+        for t in items[:-1]:
+            starts.append(starts[-1] + t.numel() * t.element_size())
+        if offsets == starts and sum(t.numel() for t in items) == base.numel():
+            return base.reshape(-1, items[0].shape[-1])
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in items])
+
+
+def _attach_reduce_before_merge(method: ImageReducer, parts: VLMParts, state: _RunState, undo: list) -> None:
+    """Fixed-grid LLaVA: apply the method's plan to the projected features and the ids before ``LlavaModel`` merges
+    them.
+
+    A pre-hook on ``LlavaModel`` (after the layout hook of :func:`_attach_outer`) takes an image prefill given as
+    ``input_ids``, encodes its pixels (or takes what ``generate`` encoded, ``mm_encoder_outputs``), plans every image
+    on its projected tokens, replaces ``pooler_output`` by the kept (merged) tokens -- by item assignment, so that
+    ``generate``'s reference to it lets the full features go too -- and passes the kept ids, positions and mask on.
+    ``LlavaModel`` then embeds and fills the short sequence only, so the full-length embeddings, the full features
+    and their concatenation (about 1 GB for 1,024 frames of ``smol-llava``) are never alive while the language model
+    runs. The language model's inputs are those of the late path (reduction at its entry) bit for bit. Prefills given
+    as ``inputs_embeds``, or with positional arguments, take the late path.
+    """
+
+    def pre(module, args, kwargs):
+        pending = state.pending
+        input_ids = kwargs.get("input_ids")
+        if pending is None or args or input_ids is None or kwargs.get("inputs_embeds") is not None \
+                or _past_length(kwargs) != 0:
+            return args, kwargs
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(input_ids.shape, dtype=torch.long, device=input_ids.device)
+        if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            return args, kwargs  # the late path raises its error
+        kind = pending["kind"]
+        if kwargs.get("pixel_values") is not None:
+            kwargs = _encode_media(parts, kwargs, kind)
+        encoded = kwargs["mm_encoder_outputs"][kind]
+        placed = PlacedFeatures(pending["image_mask"], _packed_rows(encoded.pooler_output))
+        plan = method._sequence_plan({**pending, "attention_mask": mask}, placed, state)
+        encoded["pooler_output"] = [placed.reduce(plan)]
+        del placed
+        state.pending, state.plan = None, plan
+        parts.lm._mmaccel_visual_mask = plan.take(pending["image_mask"])
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        kwargs = {**kwargs, "input_ids": plan.take(input_ids), "position_ids": plan.take_positions(positions)}
+        kwargs["attention_mask"] = parts.lm._mmaccel_attention_mask = plan.take(mask)
+        return args, kwargs
+
+    _hook(undo, parts.inner, pre, pre=True)
 
 
 def _plan_row(plan: TokenPlan, b: int) -> TokenPlan:
