@@ -468,15 +468,29 @@ def test_llava_reduce_before_merge_gives_the_language_model_the_same_inputs(llav
     assert torch.equal(early[3], late[3]) and early[3].shape[1] == K
 
 
-def test_packed_rows_views_llavas_feature_list_and_copies_any_other():
-    from mmaccel.vision_tokens.base import PlacedFeatures, _packed_rows
+def test_placed_features_reads_rows_across_images_and_merges_like_the_sequence_plan():
+    """PlacedFeatures indexes a list of per-image features like the [B, L, D] embeddings they fill, and its
+    ``reduce`` equals ``plan.merge`` of those embeddings at the kept placeholders, bit for bit."""
+    from mmaccel.vision_tokens.base import PlacedFeatures
+    from mmaccel.vision_tokens.plan import TokenPlan
 
-    projected = torch.randn(3, 4, 5)
-    rows = _packed_rows(list(projected))  # LlavaModel.get_image_features' pooler_output
-    assert rows.shape == (12, 5) and rows.data_ptr() == projected.data_ptr() and torch.equal(rows, projected.reshape(12, 5))
-    separate = [torch.randn(4, 5), torch.randn(2, 5)]
-    rows = _packed_rows(separate)
-    assert torch.equal(rows, torch.cat(separate)) and rows.data_ptr() != separate[0].data_ptr()
-    assert torch.equal(_packed_rows(list(projected)[::2]), projected[::2].reshape(8, 5))  # not consecutive: a copy
-    with pytest.raises(ValueError, match="3 image placeholders but the encoder gave 6 tokens"):
-        PlacedFeatures(torch.tensor([[True, False, True, True]]), rows)
+    torch.manual_seed(0)
+    images = [torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)]
+    ids_mask = torch.tensor([[False, True, True, True, True, False, True, True, True, True],
+                             [False, False, False, False, False, True, True, True, True, False]])
+    placed = PlacedFeatures(ids_mask, images)
+    embeds = torch.zeros(2, 10, 3)
+    embeds[ids_mask] = torch.cat(images)
+    positions = torch.tensor([3, 4, 6])
+    assert torch.equal(placed[0, positions], embeds[0, positions])
+    assert torch.equal(placed[1, torch.tensor([5, 8])], embeds[1, torch.tensor([5, 8])])
+    # row 0: image 1 keeps 1, merges 3 into 2 (weighted), drops 4; image 2 keeps 6 and 7, merges 9 into 8;
+    # row 1: image 3 merges 5..8 into 5; text tokens are their own representatives; 7 tokens per row
+    rep = torch.tensor([[0, 1, 2, 2, -1, 5, 6, 7, 8, 8], [0, 1, 2, 3, 4, 5, 5, 5, 5, 9]])
+    weight = torch.rand(2, 10) + 0.5
+    plan = TokenPlan.from_representatives(rep, weight)
+    ref = plan.merge(embeds)
+    kept_image = plan.take(ids_mask)
+    assert torch.equal(placed.reduce(plan), ref[kept_image])
+    with pytest.raises(ValueError, match="3 image placeholders but the encoder gave 12 tokens"):
+        PlacedFeatures(torch.tensor([[True, False, True, True]]), images)

@@ -725,17 +725,18 @@ class ImageReducer(VisionTokenMethod):
 class PlacedFeatures:
     """Projected image tokens in placeholder order, indexed like the [B, L, D] embeddings they would fill.
 
-    ``LlavaModel`` scatters its packed image features [N, D] into the placeholder positions of ``input_ids`` in
-    row-major order. This object gives a method's planner the same view (``placed[b, positions]`` -> [n, D], the
-    features at those sequence positions) without building the [B, L, D] embeddings, and applies a sequence plan to
-    the features alone (:meth:`reduce`).
+    ``LlavaModel`` scatters its image features (one [n_i, D] tensor per image, in order) into the placeholder
+    positions of ``input_ids`` in row-major order. This object gives a method's planner the same view
+    (``placed[b, positions]`` -> [n, D], the features at those sequence positions) and applies a sequence plan to the
+    features alone (:meth:`reduce`), without building the [B, L, D] embeddings or concatenating the features: every
+    temporary is one image's size.
 
     Parameters
     ----------
     image_mask : torch.Tensor
         [B, L] bool, the placeholder positions (N of them).
-    features : torch.Tensor
-        [N, D] in placeholder order.
+    features : torch.Tensor or list of torch.Tensor
+        [N, D], [I, n, D], or a list of [n_i, D] (``pooler_output``), in placeholder order.
 
     Raises
     ------
@@ -743,47 +744,62 @@ class PlacedFeatures:
         If the mask holds a different number of placeholders than there are feature rows.
     """
 
-    def __init__(self, image_mask: torch.Tensor, features: torch.Tensor):
+    def __init__(self, image_mask: torch.Tensor, features: Any):
+        if isinstance(features, torch.Tensor):
+            features = [features.reshape(-1, features.shape[-1])]
+        self.parts = [f.reshape(-1, f.shape[-1]) for f in features]
+        sizes = torch.tensor([0] + [f.shape[0] for f in self.parts], device=image_mask.device)
+        self.offsets = sizes.cumsum(0)
         n = int(image_mask.sum())
-        if n != features.shape[0]:
-            raise ValueError(f"the ids hold {n} image placeholders but the encoder gave {features.shape[0]} tokens")
-        self.image_mask, self.features = image_mask, features
+        if n != int(self.offsets[-1]):
+            raise ValueError(f"the ids hold {n} image placeholders but the encoder gave {int(self.offsets[-1])} tokens")
+        self.image_mask = image_mask
         self.row = torch.full(image_mask.shape, -1, dtype=torch.long, device=image_mask.device)
         self.row[image_mask] = torch.arange(n, device=image_mask.device)
 
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Feature rows ``rows`` ([r] long) -> [r, D], gathered from the images that hold them."""
+        part = torch.searchsorted(self.offsets[1:], rows, right=True)
+        first = self.parts[0]
+        out = first.new_empty((rows.shape[0], first.shape[-1]))
+        for p in part.unique().tolist():
+            sel = part == p
+            out[sel] = self.parts[p][(rows[sel] - self.offsets[p]).to(first.device)]
+        return out
+
     def __getitem__(self, key: tuple[int, torch.Tensor]) -> torch.Tensor:
         b, positions = key
-        return self.features[self.row[b, positions].to(self.features.device)]
+        return self.rows(self.row[b, positions])
 
     def reduce(self, plan: TokenPlan) -> torch.Tensor:
         """The image tokens the language model sees under ``plan`` (a [B, L] sequence plan whose merges stay within
-        image spans): [K_img, D], in the row-major order of the kept placeholders, equal to ``plan.merge(embeds)``
-        at those positions."""
+        image spans): [K_img, D], in the row-major order of the kept placeholders, equal bit for bit to
+        ``plan.merge(embeds)`` at those positions (a kept token is its own row; a merged one the weighted mean of its
+        sources, summed in the same order)."""
         slot = plan.slot_of()
         representative = torch.where(slot >= 0, plan.index.gather(1, slot.clamp(min=0)), -1)
-        rows = torch.where(representative >= 0, self.row.gather(1, representative.clamp(min=0)), -1)
+        rep_rows = torch.where(representative >= 0, self.row.gather(1, representative.clamp(min=0)), -1)
         weight = None if plan.weight is None else plan.weight[self.image_mask][None]
-        image_plan = TokenPlan.from_representatives(rows[self.image_mask][None], weight)
-        return image_plan.merge(self.features[None])[0]
-
-
-def _packed_rows(features: Any) -> torch.Tensor:
-    """``pooler_output`` of ``get_image_features`` (a [I, n, D] tensor, or a list of [n_i, D] tensors) as [N, D] rows.
-
-    LLaVA's list holds consecutive views of the projector's one output tensor; that tensor is returned as a view, so
-    no copy of the features is made. Any other list is concatenated."""
-    if isinstance(features, torch.Tensor):
-        return features.reshape(-1, features.shape[-1])
-    items = list(features)
-    base = items[0]._base if items else None
-    if base is not None and base.is_contiguous() and all(t._base is base and t.is_contiguous() for t in items):
-        offsets = [t.data_ptr() - base.data_ptr() for t in items]
-        starts = [0]
-        for t in items[:-1]:
-            starts.append(starts[-1] + t.numel() * t.element_size())
-        if offsets == starts and sum(t.numel() for t in items) == base.numel():
-            return base.reshape(-1, items[0].shape[-1])
-    return torch.cat([t.reshape(-1, t.shape[-1]) for t in items])
+        image_plan = TokenPlan.from_representatives(rep_rows[self.image_mask][None], weight)
+        first = self.parts[0]
+        merged = image_plan.sources()[0] > 1
+        out = self.rows(image_plan.index[0])
+        if not bool(merged.any()):
+            return out
+        assign = image_plan.slot_of()[0]
+        w = torch.ones(assign.shape, dtype=first.dtype, device=first.device) if weight is None else \
+            weight[0].to(first.device, first.dtype)
+        num = torch.zeros_like(out)
+        den = torch.zeros(out.shape[0], dtype=first.dtype, device=first.device)
+        for p, part in enumerate(self.parts):
+            a = assign[int(self.offsets[p]): int(self.offsets[p + 1])].to(first.device)
+            take = (a >= 0) & merged[a.clamp(min=0)]
+            if bool(take.any()):
+                ww = w[int(self.offsets[p]): int(self.offsets[p + 1])][take]
+                num.index_add_(0, a[take], part[take] * ww[:, None])
+                den.index_add_(0, a[take], ww)
+        mean = num / den.clamp_min(torch.finfo(first.dtype).tiny)[:, None]
+        return torch.where(merged[:, None], mean, out)
 
 
 def _attach_reduce_before_merge(method: ImageReducer, parts: VLMParts, state: _RunState, undo: list) -> None:
@@ -815,7 +831,7 @@ def _attach_reduce_before_merge(method: ImageReducer, parts: VLMParts, state: _R
         if kwargs.get("pixel_values") is not None:
             kwargs = _encode_media(parts, kwargs, kind)
         encoded = kwargs["mm_encoder_outputs"][kind]
-        placed = PlacedFeatures(pending["image_mask"], _packed_rows(encoded.pooler_output))
+        placed = PlacedFeatures(pending["image_mask"], encoded.pooler_output)
         plan = method._sequence_plan({**pending, "attention_mask": mask}, placed, state)
         encoded["pooler_output"] = [placed.reduce(plan)]
         del placed

@@ -21,15 +21,16 @@ class BatchedTower(nn.Module):
     """A LLaVA vision tower run on at most ``batch`` images per call.
 
     ``forward(pixel_values [N, 3, S, S], **kwargs)`` runs the wrapped tower on ``ceil(N / batch)`` slices and returns
-    one ``BaseModelOutputWithPooling`` with ``last_hidden_state`` [N, P, D], ``pooler_output`` (if the tower gives
-    one) and ``hidden_states`` with only the ``keep`` layers filled (the others ``None``): what
-    ``LlavaModel.get_image_features`` reads (``hidden_states[vision_feature_layer]``). Per slice, the other layers'
-    hidden states are dropped as soon as the slice is done.
+    one ``BaseModelOutputWithPooling`` with ``hidden_states`` holding only the ``keep`` layers (the others ``None``):
+    what ``LlavaModel.get_image_features`` reads (``hidden_states[vision_feature_layer]``); ``last_hidden_state``
+    [N, P, D] and ``pooler_output`` (if the tower gives one) when ``keep_last``, else ``None``. Each slice is copied
+    into outputs allocated once, so no list of slices and no concatenation exist beside them, and the other layers'
+    hidden states are dropped as soon as their slice is done.
     """
 
-    def __init__(self, tower: nn.Module, batch: int, keep: set[int]):
+    def __init__(self, tower: nn.Module, batch: int, keep: set[int], keep_last: bool = True):
         super().__init__()
-        self.tower, self.batch, self.keep = tower, batch, keep
+        self.tower, self.batch, self.keep, self.keep_last = tower, batch, keep, keep_last
         self.config = tower.config
         self.last_output: BaseModelOutputWithPooling | None = None
 
@@ -44,20 +45,28 @@ class BatchedTower(nn.Module):
                 out[name] = None
 
     def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
-        last, pooled, kept = [], [], {i: [] for i in self.keep}
-        for chunk in pixel_values.split(self.batch):
-            out = self.tower(chunk, *args, **kwargs)
-            last.append(out.last_hidden_state)
-            if getattr(out, "pooler_output", None) is not None:
-                pooled.append(out.pooler_output)
+        n_images = pixel_values.shape[0]
+        outputs: dict = {}  # name -> the [N, ...] tensor every slice is copied into
+
+        def put(name, value, start):
+            if value is None:
+                return
+            if name not in outputs:
+                outputs[name] = value.new_empty((n_images, *value.shape[1:]))
+            outputs[name][start: start + value.shape[0]] = value
+
+        for start in range(0, n_images, self.batch):
+            out = self.tower(pixel_values[start: start + self.batch], *args, **kwargs)
+            if self.keep_last:
+                put("last", out.last_hidden_state, start)
+                put("pooled", getattr(out, "pooler_output", None), start)
             for i in self.keep:
-                kept[i].append(out.hidden_states[i])
+                put(i, out.hidden_states[i], start)
             del out
         n = int(self.config.num_hidden_layers) + 1
-        hidden = tuple(torch.cat(kept[i]) if kept.get(i) else None for i in range(n))
-        self.last_output = BaseModelOutputWithPooling(last_hidden_state=torch.cat(last),
-                                                      pooler_output=torch.cat(pooled) if pooled else None,
-                                                      hidden_states=hidden)
+        self.last_output = BaseModelOutputWithPooling(last_hidden_state=outputs.get("last"),
+                                                      pooler_output=outputs.get("pooled"),
+                                                      hidden_states=tuple(outputs.get(i) for i in range(n)))
         return self.last_output
 
 
@@ -141,7 +150,8 @@ class BatchedVisionEncoding:
     def __enter__(self) -> BatchedVisionEncoding:  # noqa: PYI034 - Python 3.10 has no typing.Self
         tower = self.inner.vision_tower
         self._original = tower
-        batched = BatchedTower(tower, self.batch, _kept_layers(self.inner, tower))
+        # LlavaModel.get_image_features reads hidden_states[vision_feature_layer] only
+        batched = BatchedTower(tower, self.batch, _kept_layers(self.inner, tower), keep_last=False)
         self.inner.vision_tower = batched
         self._original_projector = self.inner.multi_modal_projector
         projector = BatchedProjector(self._original_projector, self.batch)
