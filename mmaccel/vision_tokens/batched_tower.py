@@ -105,10 +105,10 @@ class BatchedVisionEncoding:
     frames that is ``13 * N * P * D`` floats at once (2.9 GB for 1,024 frames of 145 x 384 tokens in fp32, if they
     are all alive together). Batched, only the layers the projector reads are kept for all frames. Measured on
     ``smol-llava`` with 1,024 frames and pooling to 1/16 (exact tensor bytes, ``benchmarks/peak_profile.py``): the
-    unbatched peak is the tower's MLP on every frame (2.6 GB); batched, the peak moves to the language model's
-    prefill, while the full-length merge inputs from before the reduction are still referenced by
-    ``LlavaModel.forward``. LLaVA also keeps the tower's output (``image_outputs``) until its language model is done,
-    although only the projector reads it: here a hook on the projector drops its ``last_hidden_state`` and
+    unbatched peak is the tower's MLP on every frame (2.6 GB); batched, with the projector batched too and a pre-LLM
+    reducer shortening the sequence before ``LlavaModel`` merges it (:class:`~.base.PlacedFeatures`), the peak is
+    the language model's prefill (773 MiB: its K/V of the ~9,800 pooled tokens and one layer's activations).
+    LLaVA also keeps the tower's output (``image_outputs``) until its language model is done, although only the projector reads it: here a hook on the projector drops its ``last_hidden_state`` and
     ``hidden_states`` once the projector has run, so in this context the model's ``image_outputs`` holds only the
     projected features. The projector runs ``batch`` images at a time too (:class:`BatchedProjector`). The features
     are the same (the tower and the projector see each image alone: no cross-image interaction). Only this model
