@@ -283,3 +283,24 @@ def test_batched_vision_encoding_refuses_bad_batches_and_other_layouts(llava, qw
         BatchedVisionEncoding(llava, batch=0)
     with pytest.raises(ValueError, match="fixed-grid LLaVA models only"):
         BatchedVisionEncoding(qwen2vl[0], batch=4)
+
+
+@pytest.mark.parametrize("method_first", [False, True])
+@pytest.mark.parametrize("spec", ["visionzip:keep_ratio=0.5", "prumerge:keep_ratio=0.5"])
+def test_cls_attention_methods_read_every_slice_of_a_batched_tower(llava, spec, method_first):
+    """VisionZip and PruMerge read the tower's [CLS] attention per image; with the tower run 2 frames at a time the
+    captures of all three calls are used, so the output is the unbatched run's, whichever context is entered
+    first."""
+    from mmaccel.vision_tokens import BatchedVisionEncoding, build_method
+
+    inputs = _frames_prompt(5, seed=7)
+    method = build_method(spec)
+    with method.apply(llava):
+        plain = _generate(llava, inputs)
+    kept = method.telemetry["kept_positions"]
+    method = build_method(spec)
+    contexts = [BatchedVisionEncoding(llava, batch=2), method.apply(llava)]
+    with contexts[method_first], contexts[not method_first]:
+        batched = _generate(llava, inputs)
+    assert method.telemetry["kept_positions"] == kept
+    _same_generation(batched, plain)

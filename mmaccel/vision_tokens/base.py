@@ -695,6 +695,8 @@ class ImageReducer(VisionTokenMethod):
     def _sequence_plan(self, pending: dict, embeds: torch.Tensor, state: _RunState) -> TokenPlan:
         image_mask, grids = pending["image_mask"], pending["grids"]
         plans, before, after = [], [], []
+        if self.needs_cls_attention:
+            cls_attention, keys = _cls_captures(state, len(grids))
         k, image = 0, -1
         for b in range(image_mask.shape[0]):
             pos = image_mask[b].nonzero().squeeze(1)
@@ -706,7 +708,7 @@ class ImageReducer(VisionTokenMethod):
                 feats = embeds[b, seg[grid.raster_index(seg.device)]]
                 info = {"image_index": image, "grid_index": k}
                 if self.needs_cls_attention:
-                    info.update(cls_attention=state.vision["cls_attention"][k], keys=state.vision["keys"][k])
+                    info.update(cls_attention=cls_attention[k], keys=keys[k])
                 plans.append(_grid_plan(self.plan_image(feats, grid, info), grid))
                 before.append(grid.tokens)
                 after.append(plans[-1].num_kept)
@@ -890,7 +892,9 @@ def _with_prefix(plan: TokenPlan, prefix: int) -> TokenPlan:
 # ------------------------------------------------------------------------------------- vision-tower [CLS] attention
 def vit_layers(tower: nn.Module) -> nn.ModuleList | None:
     """The transformer blocks of a ViT: ``encoder.layers`` (HF CLIP/SigLIP), ``encoder.layer`` (HF Dinov2),
-    ``visual.transformer.resblocks`` / ``transformer.resblocks`` (an open_clip model / its ``VisionTransformer``)."""
+    ``visual.transformer.resblocks`` / ``transformer.resblocks`` (an open_clip model / its ``VisionTransformer``);
+    for a :class:`~.batched_tower.BatchedTower`, those of the tower it holds (``.tower``)."""
+    tower = _inner_tower(tower)
     for path in ("vision_model.encoder.layers", "encoder.layers", "encoder.layer", "vision_model.encoder.layer",
                  "visual.transformer.resblocks", "transformer.resblocks"):
         obj = tower
@@ -903,13 +907,19 @@ def vit_layers(tower: nn.Module) -> nn.ModuleList | None:
     return None
 
 
+def _inner_tower(tower: nn.Module) -> nn.Module:
+    """The tower itself, or the one a :class:`~.batched_tower.BatchedTower` holds."""
+    held = getattr(tower, "tower", None)
+    return held if isinstance(held, nn.Module) and hasattr(tower, "release") else tower
+
+
 def _cls_layer(parts: VLMParts) -> int | str:
     """Index of the tower block whose output LLaVA projects (``vision_feature_layer``), or why there is none."""
     layers = vit_layers(parts.tower)
     if layers is None:
         return "its vision tower has no encoder.layers"
-    embeddings = getattr(parts.tower, "embeddings", None) or getattr(getattr(parts.tower, "vision_model", None),
-                                                                     "embeddings", None)
+    tower = _inner_tower(parts.tower)
+    embeddings = getattr(tower, "embeddings", None) or getattr(getattr(tower, "vision_model", None), "embeddings", None)
     if not (hasattr(embeddings, "class_embedding") or hasattr(embeddings, "cls_token")):
         return "its vision tower has no [CLS] token (e.g. SigLIP)"
     feature_layer = parts.inner.config.vision_feature_layer
@@ -934,10 +944,27 @@ def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
         k = module.k_proj(hidden).view(n_img, n, heads, -1).transpose(1, 2)  # [I, H, N+1, d]
         scale = getattr(module, "scale", None) or getattr(module, "scaling", None) or q.shape[-1] ** -0.5
         probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * scale, dim=-1)[:, :, 0]  # [I, H, N+1]
-        state.vision["cls_attention"] = probs.mean(dim=1)[:, 1:]  # [I, N]
-        state.vision["keys"] = k.mean(dim=1)[:, 1:]  # [I, N, d]
+        # one entry per tower call: a tower run in slices (BatchedVisionEncoding) calls the layer once per slice
+        state.vision.setdefault("cls_calls", []).append((probs.mean(dim=1)[:, 1:], k.mean(dim=1)[:, 1:]))
 
     _hook(undo, attn, pre, pre=True)
+
+
+def _cls_captures(state: _RunState, n_images: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [CLS] attention [I, N] and keys [I, N, d] of the last ``n_images`` images the tower encoded (over as many
+    calls as it took), and forget the captures.
+
+    Raises
+    ------
+    ValueError
+        If fewer images were captured (the tower did not run through the hooked layer).
+    """
+    calls = state.vision.pop("cls_calls", [])
+    attention = torch.cat([a for a, _ in calls]) if calls else torch.empty(0)
+    if attention.shape[0] < n_images:
+        raise ValueError(f"the vision tower's [CLS] attention was captured for {attention.shape[0]} images, the prompt "
+                         f"has {n_images}: apply the method to the model whose tower encodes the images")
+    return attention[-n_images:], torch.cat([k for _, k in calls])[-n_images:]
 
 
 # ------------------------------------------------------------------------------------------------ in-LLM pruning
