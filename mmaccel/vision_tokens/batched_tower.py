@@ -17,6 +17,16 @@ def _kept_layers(inner: nn.Module, tower: nn.Module) -> set[int]:
     return {i % n for i in layers}
 
 
+def _copy_into(outputs: dict, name, value: torch.Tensor | None, start: int, total: int) -> None:
+    """Copy one slice's ``value`` [b, ...] into ``outputs[name]`` [total, ...] at ``start``, allocating that tensor
+    at the first slice: a sliced run then holds one output, not a list of slices plus their concatenation."""
+    if value is None:
+        return
+    if name not in outputs:
+        outputs[name] = value.new_empty((total, *value.shape[1:]))
+    outputs[name][start: start + value.shape[0]] = value
+
+
 class BatchedTower(nn.Module):
     """A LLaVA vision tower run on at most ``batch`` images per call.
 
@@ -46,22 +56,14 @@ class BatchedTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, *args, **kwargs) -> BaseModelOutputWithPooling:
         n_images = pixel_values.shape[0]
-        outputs: dict = {}  # name -> the [N, ...] tensor every slice is copied into
-
-        def put(name, value, start):
-            if value is None:
-                return
-            if name not in outputs:
-                outputs[name] = value.new_empty((n_images, *value.shape[1:]))
-            outputs[name][start: start + value.shape[0]] = value
-
+        outputs: dict = {}
         for start in range(0, n_images, self.batch):
             out = self.tower(pixel_values[start: start + self.batch], *args, **kwargs)
             if self.keep_last:
-                put("last", out.last_hidden_state, start)
-                put("pooled", getattr(out, "pooler_output", None), start)
+                _copy_into(outputs, "last", out.last_hidden_state, start, n_images)
+                _copy_into(outputs, "pooled", getattr(out, "pooler_output", None), start, n_images)
             for i in self.keep:
-                put(i, out.hidden_states[i], start)
+                _copy_into(outputs, i, out.hidden_states[i], start, n_images)
             del out
         n = int(self.config.num_hidden_layers) + 1
         self.last_output = BaseModelOutputWithPooling(last_hidden_state=outputs.get("last"),
@@ -86,13 +88,11 @@ class BatchedProjector(nn.Module):
     def forward(self, features: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if features.dim() < 3 or features.shape[0] <= self.batch:
             return self.projector(features, *args, **kwargs)
-        first = self.projector(features[: self.batch], *args, **kwargs)
-        out = first.new_empty((features.shape[0], *first.shape[1:]))
-        out[: self.batch] = first
-        del first
-        for start in range(self.batch, features.shape[0], self.batch):
-            out[start: start + self.batch] = self.projector(features[start: start + self.batch], *args, **kwargs)
-        return out
+        outputs: dict = {}
+        for start in range(0, features.shape[0], self.batch):
+            _copy_into(outputs, "out", self.projector(features[start: start + self.batch], *args, **kwargs), start,
+                       features.shape[0])
+        return outputs["out"]
 
 
 class BatchedVisionEncoding:
