@@ -456,3 +456,47 @@ def test_bf16_autocast_training_step_matches_fp32_loss_and_updates_fp32_weights(
         model.requires_grad_(False)
     with pytest.raises(ValueError, match="unknown autocast 'fp16'.*none.*bf16"):
         tr.autocast_context("fp16")
+
+
+# ------------------------------------------------------------------------------------------------------------ clips
+def test_clip_conversations_compose_base_frames_and_a_rendered_needle(built):
+    """A video-NIAH training conversation: F frames of a base clip at 9 pooled tokens each, two turns (the needle's
+    number and colour, the answers the only targets), and features that are the base clip's rows with the needle
+    frame's row swapped in -- the rows of encoding that composed clip."""
+    from PIL import Image
+
+    from mmaccel.models import clip_training as ct
+
+    model, processor = built
+    examples, bases, needles = ct.clip_conversations(processor, 6, bases=2, seed=0)
+    assert len(examples) == len(needles) == 6 and len(bases) == 2
+    tok = processor.tokenizer
+    image_id = model.config.image_token_id
+    for e in examples:
+        assert len(e.frames) in ct.CLIP_FRAMES and e.frames == sorted(e.frames) and 0 <= e.needle < len(e.frames)
+        assert e.input_ids.count(image_id) == len(e.frames) * ct.TOKENS_PER_FRAME
+        targets = [t for t, lab in zip(e.input_ids, e.labels) if lab != -100]
+        assert tok.decode(targets).replace(tok.eos_token, " ").split() == e.answers
+        assert sorted(e.kinds) == ["colour", "number"] and e.answers[e.kinds.index("number")].isdigit()
+    e = examples[0]
+    clip = dataclasses.replace(bases[e.base], needle_frame=e.frames[e.needle], number=e.answers[e.kinds.index("number")],
+                               number_colour=e.answers[e.kinds.index("colour")])
+    assert (needles[0] == clip.frame(e.frames[e.needle])).all()
+    base = bases[e.base]  # its own needle removed; at 256 frames an index appears twice, the needle only once
+    frames = [Image.fromarray(clip.frame(t) if i == e.needle else base.frame(t)) for i, t in enumerate(e.frames)]
+    base_feats = [tr.cache_features(model, processor, [Image.fromarray(f) for f in b.frames()]) for b in bases]
+    needle_feats = tr.cache_features(model, processor, [Image.fromarray(n) for n in needles[:1]])
+    composed = ct.features_of(e, base_feats, needle_feats)
+    assert torch.allclose(composed, tr.cache_features(model, processor, frames), atol=1e-5)
+    batches = ct.clip_batches(examples, seed=0)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(len({len(examples[i].frames) for i in b}) == 1 for b in batches)
+
+
+def test_train_with_clip_steps_interleaves_them(parts, tmp_path):
+    summary = tr.train(tmp_path / "m", steps=2, batch_size=2, lr=3e-3, warmup=1, eval_n=0, log_every=1,
+                       vision=str(parts[0]), language=str(parts[1]), progress=False, clip_every=1, clip_bases=1)
+    assert summary["steps_done"] == 4 and summary["scene_steps_done"] == 2 and summary["clip_steps_done"] == 2
+    assert summary["clip_conversations_seen"] >= 2 and summary["examples_seen"] == 4
+    assert all(h["loss"] > 0 for h in summary["history"])
+    assert "--clip-every 1 --clip-bases 1" in summary["command"]

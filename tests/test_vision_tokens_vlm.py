@@ -494,3 +494,78 @@ def test_placed_features_reads_rows_across_images_and_merges_like_the_sequence_p
     assert torch.equal(placed.reduce(plan), ref[kept_image])
     with pytest.raises(ValueError, match="3 image placeholders but the encoder gave 12 tokens"):
         PlacedFeatures(torch.tensor([[True, False, True, True]]), images)
+
+
+# ------------------------------------------------------------------------------------------------ contiguous positions
+def _captured_lm_prefill(model, method, inputs, n=3):
+    """Generate under ``method``; return the tokens and the language model's prefill kwargs (embeddings, positions,
+    mask) as it received them."""
+    seen = []
+    with method.apply(model):
+        handle = model.model.language_model.register_forward_pre_hook(
+            lambda m, a, k: seen.append({name: k.get(name) for name in ("inputs_embeds", "position_ids",
+                                                                         "attention_mask")}), with_kwargs=True)
+        try:
+            out = _generate(model, inputs, n=n)
+        finally:
+            handle.remove()
+    return out, seen
+
+
+@pytest.mark.parametrize("before_merge", [True, False])
+def test_contiguous_positions_equal_a_prompt_built_short(llava, before_merge, monkeypatch):
+    """``positions="contiguous"`` numbers the reduced prompt 0..K-1 over its mask and continues from there while
+    decoding: generating under the method equals ``generate`` on the reduced embeddings given as a plain prompt, on a
+    left-padded batch of 2, through both the early (before LlavaModel's merge) and the late path."""
+    model, _, inputs = llava
+    monkeypatch.setattr(Pooling, "reduce_before_merge", before_merge)
+    out, seen = _captured_lm_prefill(model, Pooling(keep_ratio=0.25, positions="contiguous"), inputs, n=4)
+    prefill = seen[0]
+    mask = prefill["attention_mask"]
+    assert mask.shape[1] == inputs["input_ids"].shape[1] - N_IMG + 16
+    real = mask.bool()
+    expected = mask.cumsum(-1) - 1
+    assert torch.equal(prefill["position_ids"][real], expected[real])
+    with torch.no_grad():
+        plain = model.generate(inputs_embeds=prefill["inputs_embeds"], attention_mask=mask, max_new_tokens=4,
+                               do_sample=False)
+    assert torch.equal(out, plain[:, -4:])
+    # decode steps continue from the reduced length: each row's next position is its kept real tokens' count
+    assert torch.equal(seen[1]["position_ids"][:, -1], mask.sum(-1))
+
+
+def test_contiguous_positions_at_full_budget_and_their_errors(llava, qwen2vl):
+    model, _, inputs = llava
+    assert torch.equal(_generate(model, inputs), _captured_lm_prefill(
+        model, Pooling(keep_ratio=1.0, positions="contiguous"), inputs, n=6)[0])
+    assert build_method("pooling:keep_ratio=0.5:positions=contiguous").positions == "contiguous"
+    with pytest.raises(ValueError, match="positions must be one of"):
+        Pooling(keep_ratio=0.5, positions="packed")
+    with pytest.raises(UnsupportedModelError, match="M-RoPE"), \
+            Pooling(keep_ratio=0.5, positions="contiguous").apply(qwen2vl[0]):
+        pass
+
+
+def test_pooled_clip_embeds_are_what_pooling_gives_the_language_model(llava):
+    """The video-NIAH trainer's pooled clip embeddings (``mmaccel.models.clip_training``) equal the language model's
+    prefill embeddings under ``Pooling`` with contiguous positions on the same 3-frame prompt."""
+    from mmaccel.models.clip_training import pooled_clip_embeds
+    from mmaccel.models.smol_llava import image_features
+
+    model, processor, _ = llava
+    inputs = processor(images=_images(3, seed=2), text=["<image>\n<image>\n<image>\ndescribe"], return_tensors="pt")
+    _, seen = _captured_lm_prefill(model, Pooling(keep_ratio=0.25, positions="contiguous"), inputs, n=1)
+    image_id = model.config.image_token_id
+    ids, run = [], 0
+    for t in inputs["input_ids"][0].tolist():  # each frame's 64 placeholders -> 16
+        run = run + 1 if t == image_id else 0
+        if run <= 16:
+            ids.append(t)
+    with torch.no_grad():
+        feats = image_features(model, inputs["pixel_values"])
+        mine = pooled_clip_embeds(model, torch.tensor([ids]), [feats], tokens_per_frame=16)
+    assert torch.allclose(mine, seen[0]["inputs_embeds"], atol=1e-6)
+    short = list(ids)
+    short.remove(image_id)  # one placeholder too few for 3 frames of 16
+    with pytest.raises(ValueError, match="image tokens"):
+        pooled_clip_embeds(model, torch.tensor([short]), [feats], tokens_per_frame=16)

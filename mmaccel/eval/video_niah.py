@@ -288,13 +288,15 @@ def video_niah(
 
 def _warn_positions(model, per_frame: int, most_frames: int, max_new_tokens: int) -> None:
     """Warn when the longest clip's positions pass the language model's ``max_position_embeddings`` (kept visual
-    tokens keep their original positions, so reducing tokens does not shorten the position range)."""
+    tokens keep their original positions by default, so reducing tokens does not shorten the position range; a
+    pre-LLM method with ``positions=contiguous`` does)."""
     config = getattr(model.config, "text_config", model.config)
     limit = getattr(config, "max_position_embeddings", None)
     last = per_frame * most_frames + max_new_tokens
     if limit and last > limit:
         logger.warning("%d frames x %d visual tokens reach position %d, past the language model's "
-                       "max_position_embeddings=%d: answers there test position extrapolation too", most_frames,
+                       "max_position_embeddings=%d: answers there test position extrapolation too (a pre-LLM method with "
+                       "':positions=contiguous' numbers only the kept tokens)", most_frames,
                        per_frame, last, limit)
 
 

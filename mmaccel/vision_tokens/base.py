@@ -25,7 +25,9 @@ touches a transformers model lives here once:
 Positions. Kept tokens keep their original positions: ``generate`` passes the original ``position_ids`` (or, for
 Qwen2-VL, the 4-row text + M-RoPE ids) and every plan gathers them, never renumbers them. A forward without
 ``position_ids`` on a reduced cache gets ``arange(q) + past + (L - K)``, i.e. the original positions too (Qwen2-VL
-derives its own ids before the language model and needs ``generate``'s ids after a reduction).
+derives its own ids before the language model and needs ``generate``'s ids after a reduction). A pre-LLM method
+built with ``positions="contiguous"`` instead renumbers the reduced prompt ``0..K-1`` (LLaVA-style models; decode
+steps continue from ``K``), as the LLM sees a prompt whose visual tokens were reduced before it was built.
 
 AnyRes layouts (LLaVA-OneVision, LLaVA-NeXT). An image's span in the sequence is one or two grids: the base image
 (``side x side`` patches), then for an image alone in its prompt the unpadded crops (downsampled past OneVision's
@@ -574,17 +576,51 @@ def _even_rows(keep: torch.Tensor, padding: torch.Tensor | None, spare: torch.Te
 
 
 def _compressed_lm_kwargs(state: _RunState, kwargs: dict) -> dict:
-    """Decode step after a reduced prefill: keep the 2-D mask and default positions in line with the cache."""
+    """Decode step after a reduced prefill: keep the 2-D mask and default positions in line with the cache.
+
+    Under contiguous positions (``state.scratch["position_shift"]``, [B, 1]: the prompt tokens each row dropped) the
+    positions ``generate`` numbers over the full prompt are moved down by that shift, and default positions continue
+    from the cache's length."""
     plan = state.plan
     embeds = kwargs.get("inputs_embeds")
     mask = kwargs.get("attention_mask")
+    shift = state.scratch.get("position_shift")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= plan.length:
         kwargs["attention_mask"] = plan.extend_columns(mask)
     if kwargs.get("position_ids") is None and embeds is not None:
         past = _past_length(kwargs)
         q = embeds.shape[1]
-        kwargs["position_ids"] = (torch.arange(q, device=embeds.device) + past + plan.length - plan.num_kept)[None]
+        gap = 0 if shift is not None else plan.length - plan.num_kept
+        kwargs["position_ids"] = (torch.arange(q, device=embeds.device) + past + gap)[None]
+    elif shift is not None and kwargs.get("position_ids") is not None:
+        kwargs["position_ids"] = kwargs["position_ids"] - shift
     return kwargs
+
+
+#: How a pre-LLM reduction numbers the tokens it keeps (``ImageReducer.positions``).
+POSITIONS = ("original", "contiguous")
+
+
+def _reduced_positions(method: "ImageReducer", state: _RunState, plan: TokenPlan, positions: torch.Tensor,
+                       kept_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of the reduced prompt: the kept tokens' original ones, or (``positions="contiguous"``) the
+    kept tokens renumbered ``0, 1, ...`` over the attention mask as ``generate`` numbers a prompt (pads read 1), with
+    each row's shift recorded for the decode steps (:func:`_compressed_lm_kwargs`).
+
+    Parameters
+    ----------
+    positions : torch.Tensor
+        [1 or B, L] position ids of the full prompt.
+    kept_mask : torch.Tensor
+        [B, K] attention mask of the reduced prompt.
+    """
+    kept = plan.take_positions(positions)
+    if method.positions != "contiguous":
+        state.scratch["position_shift"] = None
+        return kept
+    new = (kept_mask.long().cumsum(-1) - 1).masked_fill(kept_mask == 0, 1)
+    state.scratch["position_shift"] = (kept[:, -1:] - new[:, -1:]).to(new.dtype)
+    return new
 
 
 # ------------------------------------------------------------------------------------------------ pre-LLM reduction
@@ -612,6 +648,18 @@ class ImageReducer(VisionTokenMethod):
     #: language model receives the same inputs either way. ``False`` reduces at the language model's entry, as on
     #: AnyRes and Qwen2-VL models.
     reduce_before_merge: ClassVar[bool] = True
+    #: ``"original"`` (default): kept tokens keep their original positions, as FastV's and ToMe's papers do, so a
+    #: budget of 1.0 is the unmodified model and a reduced prompt spans as many positions as the full one.
+    #: ``"contiguous"``: the reduced prompt is numbered ``0..K-1``, as VisionZip's and PruMerge's code (which hand the
+    #: LLM the shorter embeddings) and LLaVA-OneVision's pooled video tokens are; this keeps a long video within the
+    #: language model's trained positions (256 frames of ``smol-llava`` pooled to 9 tokens: 2,304 positions instead
+    #: of 36,864). LLaVA-style models only (Qwen2-VL's M-RoPE positions are 3-D and read from the grid).
+    positions: str = field(default="original", kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
 
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         """Plan one image (one grid).
@@ -637,6 +685,9 @@ class ImageReducer(VisionTokenMethod):
         parts = VLMParts.find(model)
         if isinstance(parts, str):
             return parts
+        if self.positions == "contiguous" and parts.kind not in ("llava", "anyres"):
+            return "positions='contiguous' renumbers 1-D position ids (LLaVA-style models); Qwen2-VL's M-RoPE " \
+                   "positions are 3-D: use positions='original'"
         if self.needs_cls_attention:
             if parts.kind == "anyres":
                 return "it needs one [CLS] attention map per image from the vision tower, and AnyRes models encode " \
@@ -675,8 +726,8 @@ class ImageReducer(VisionTokenMethod):
                 pos = kwargs.get("position_ids")
                 if pos is None:
                     pos = torch.arange(embeds.shape[1], device=embeds.device)[None]
-                kwargs["position_ids"] = plan.take_positions(pos)
                 kwargs["attention_mask"] = module._mmaccel_attention_mask = plan.take(mask)
+                kwargs["position_ids"] = _reduced_positions(self, state, plan, pos, kwargs["attention_mask"])
             elif state.plan is not None and _past_length(kwargs) > 0:
                 kwargs = _compressed_lm_kwargs(state, kwargs)
             return args, kwargs
@@ -842,8 +893,9 @@ def _attach_reduce_before_merge(method: ImageReducer, parts: VLMParts, state: _R
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        kwargs = {**kwargs, "input_ids": plan.take(input_ids), "position_ids": plan.take_positions(positions)}
-        kwargs["attention_mask"] = parts.lm._mmaccel_attention_mask = plan.take(mask)
+        kept_mask = parts.lm._mmaccel_attention_mask = plan.take(mask)
+        kwargs = {**kwargs, "input_ids": plan.take(input_ids), "attention_mask": kept_mask,
+                  "position_ids": _reduced_positions(method, state, plan, positions, kept_mask)}
         return args, kwargs
 
     _hook(undo, parts.inner, pre, pre=True)
