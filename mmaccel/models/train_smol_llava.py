@@ -469,7 +469,7 @@ def write_card_section(out: Path, summary: dict) -> Path:
         stop += f" The training forward ran under {summary['autocast']} autocast (fp32 weights and optimizer state)."
     if summary.get("clip_every"):
         stop += (f" Video NIAH: after every {summary['clip_every']} scene steps one step on pooled clips "
-                 f"(`mmaccel.models.clip_training`: 16-256 frames at 9 tokens per frame, the needle's number and colour), "
+                 f"(`mmaccel.models.clip_training`: 1-256 frames at 9 tokens per frame, the needle's number and colour), "
                  f"{summary['clip_steps_done']} such steps, {summary['clip_conversations_seen']:,} clip conversations "
                  f"on {summary['clip_bases']} base clips.")
     turns = summary.get("turns", 1)
@@ -587,7 +587,7 @@ def train(
         weights are float32 either way, and the evaluation runs in the loaded model's dtype.
     clip_every : int
         Video NIAH: after every this many scene steps, one step on pooled clip conversations
-        (:mod:`mmaccel.models.clip_training`: 16-128 frames at 9 tokens per frame, the needle's number and colour);
+        (:mod:`mmaccel.models.clip_training`: 1-256 frames at 9 tokens per frame, the needle's number and colour);
         0 trains on scenes only. The schedule (warm-up, cosine) runs over all steps, scene and clip.
     clip_bases : int
         Base clips (128 frames each, encoded once) that the clip conversations sample their frames from.
