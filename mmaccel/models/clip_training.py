@@ -97,7 +97,7 @@ def clip_conversations(processor, n: int, *, bases: int, seed: int = 0):
         ``seed + 2``, :data:`BASE_FRAMES` frames, their own needle removed: ``needle_frame=None``); the rendered
         needle frames ([S, S, 3] uint8), one per example.
     """
-    from .train_smol_llava import INSTRUCTION
+    from .train_smol_llava import later_turn_ids
 
     rng = np.random.default_rng([seed, 11])
     # the base clips' own needles are removed (needle_frame=None matches no frame): a sampled clip has one needle
@@ -123,9 +123,7 @@ def clip_conversations(processor, n: int, *, bases: int, seed: int = 0):
         ids, labels = [], []
         for k, (kind, answer) in enumerate(turns):
             question = _QUESTIONS[kind]
-            prompt = clip_prompt_ids(processor, frames_n, question) if k == 0 else tok.encode(
-                f"\n<|im_start|>user\n{question} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n",
-                add_special_tokens=False)
+            prompt = clip_prompt_ids(processor, frames_n, question) if k == 0 else later_turn_ids(tok, question)
             target = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
             ids += prompt + target
             labels += [-100] * len(prompt) + target

@@ -141,8 +141,7 @@ def encode_examples(processor, qas, *, turns: int = 1) -> tuple[list[Example], l
         answer = tok.encode(qa.answer, add_special_tokens=False) + [tok.eos_token_id]
         last = examples[-1] if examples else None
         if last is not None and last.image == rows.get(qa.seed) and len(last.answers) < turns:
-            turn = tok.encode(f"\n<|im_start|>user\n{qa.question} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n",
-                              add_special_tokens=False)
+            turn = later_turn_ids(tok, qa.question)
             last.input_ids += turn + answer
             last.labels += [-100] * len(turn) + answer
             last.answers.append(qa.answer)
@@ -156,6 +155,13 @@ def encode_examples(processor, qas, *, turns: int = 1) -> tuple[list[Example], l
         examples.append(Example(prompt + answer, [-100] * len(prompt) + answer, rows[qa.seed], [qa.answer],
                                 [qa.kind]))
     return examples, images
+
+
+def later_turn_ids(tokenizer, question: str) -> list:
+    """Token ids of a further user turn of a conversation (after an answer's EOS): ``<|im_start|>user``, the question
+    and :data:`INSTRUCTION`, ``<|im_end|>``, then ``<|im_start|>assistant``; the first turn is the chat template's."""
+    return tokenizer.encode(f"\n<|im_start|>user\n{question} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
 
 
 def shuffle_turns(qas, seed: int) -> list:
@@ -664,7 +670,7 @@ def train(
     features = cache_features(model, processor, images, progress=progress)
     clip_steps = steps // clip_every if clip_every else 0
     clips = _clip_data(model, processor, clip_steps, clip_bases, seed, progress) if clip_steps else None
-    total = steps + clip_steps
+    total = steps + (len(clips["batches"]) if clips else 0)  # a clip slot never falls back to a scene step
     features_s = time.perf_counter() - t0
     logger.info("%d training conversations on %d scenes; tower features %s in %.0f s", len(examples), len(images),
                 tuple(features.shape), features_s)
@@ -712,7 +718,7 @@ def train(
         if done == eta_after:
             eta = _eta(step_times, total, batch_size, eval_n, time.perf_counter() - t_start, max_minutes)
             msg = (f"ETA: {eta['per_step_s']:.2f} s/step ({eta['per_sample_s']:.2f} s/question) -> training "
-                   f"{eta['train_min']:.1f} min for {steps} steps, evaluation ~{eta['eval_min']:.1f} min (estimated "
+                   f"{eta['train_min']:.1f} min for {total} steps, evaluation ~{eta['eval_min']:.1f} min (estimated "
                    f"as half a training question per test question), total ~{eta['total_min']:.1f} min")
             if eta["over_budget"]:
                 msg += f": over the {max_minutes:g}-minute budget, the loop will stop early"
@@ -723,7 +729,7 @@ def train(
         if done % log_every == 0 or done == total:
             history.append({"step": done, "loss": window["loss"] / window["n"], "exact": window["exact"] / window["n"],
                             "lr": lr_at(step, total, lr, warmup), "elapsed_s": time.perf_counter() - t_start})
-            logger.info("step %d/%d loss %.3f exact %.2f", done, steps, history[-1]["loss"], history[-1]["exact"])
+            logger.info("step %d/%d loss %.3f exact %.2f", done, total, history[-1]["loss"], history[-1]["exact"])
             window = {"loss": 0.0, "exact": 0.0, "n": 0}
     else:
         step = total
