@@ -500,3 +500,43 @@ def test_train_with_clip_steps_interleaves_them(parts, tmp_path):
     assert summary["clip_conversations_seen"] >= 2 and summary["examples_seen"] == 4
     assert all(h["loss"] > 0 for h in summary["history"])
     assert "--clip-every 1 --clip-bases 1" in summary["command"]
+
+
+def test_clip_only_run_from_a_trained_projector_with_a_reading_phase(parts, tmp_path):
+    """``steps=0, clip_steps=N``: a run on clips only (LLaVA's stage 2 from a stage-1 projector); the first
+    ``clip_short_steps`` batches hold 1- and 4-frame clips only. It starts from ``init_projector``'s weights and
+    recipe; a file holding LoRA adapters is refused, as are bad step counts."""
+    from safetensors.torch import load_file
+
+    from mmaccel.models import clip_training as ct
+
+    first = tr.train(tmp_path / "a", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0, vision=str(parts[0]),
+                     language=str(parts[1]), progress=False)
+    init = tmp_path / "a" / "projector.safetensors"
+    summary = tr.train(tmp_path / "b", steps=0, batch_size=2, lr=3e-3, warmup=1, eval_n=0, log_every=1,
+                       vision=str(parts[0]), language=str(parts[1]), progress=False, clip_steps=3, clip_short_steps=2,
+                       clip_bases=1, init_projector=init)
+    assert summary["scene_steps_done"] == 0 and summary["clip_steps_done"] == 3 and summary["steps_done"] == 3
+    assert summary["init_projector"] == str(init) and first["recipe"] == summary["recipe"]
+    assert f"--clip-steps 3 --clip-short-steps 2 --init-projector {init}" in summary["command"]
+    assert any(not torch.equal(a, b) for a, b in zip(load_file(init).values(),
+                                                     load_file(tmp_path / "b" / "projector.safetensors").values()))
+    model, processor = sl.build_llava(*parts)
+    data = tr._clip_data(model, processor, 4, 1, 0, False, short=2)
+    lengths = [{len(data["examples"][i].frames) for i in b} for b in data["batches"]]
+    assert len(lengths) == 4 and all(len(s) == 1 for s in lengths)
+    assert all(s <= set(ct.SHORT_FRAMES) for s in lengths[:2])
+    for e in data["examples"]:  # every needle row is its own rendered frame's
+        assert 0 <= e.needle_row < data["needles"].shape[0]
+    pytest.importorskip("peft")
+    lora = tr.train(tmp_path / "c", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0, vision=str(parts[0]),
+                    language=str(parts[1]), progress=False, lora_rank=2)
+    with pytest.raises(ValueError, match="holds LoRA adapters"):
+        tr.train(tmp_path / "d", steps=1, vision=str(parts[0]), language=str(parts[1]), progress=False,
+                 init_projector=tmp_path / "c" / "projector.safetensors")
+    assert lora["lora"]["rank"] == 2
+    with pytest.raises(ValueError, match="clip_short_steps"):
+        tr.train(tmp_path / "e", steps=0, vision=str(parts[0]), language=str(parts[1]), progress=False)
+    with pytest.raises(ValueError, match="clip_short_steps"):
+        tr.train(tmp_path / "e", steps=1, clip_steps=1, clip_short_steps=2, vision=str(parts[0]),
+                 language=str(parts[1]), progress=False)

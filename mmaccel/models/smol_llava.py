@@ -430,7 +430,7 @@ def merge_lora(model, path: str | Path) -> int:
     """
     from safetensors import safe_open
 
-    info = json.loads(_metadata(path).get("lora", "null") or "null")
+    info = read_projector_lora(path)
     if not info:
         return 0
     lm = model.model.language_model
@@ -466,6 +466,17 @@ def _metadata(path: str | Path) -> dict:
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{path} is not an mmaccel LLaVA projector (metadata format {meta.get('format')!r})")
     return meta
+
+
+def read_projector_lora(path: str | Path) -> dict | None:
+    """The LoRA metadata of a projector file (``{"scale", "rank", "alpha"}``), or ``None`` when it holds no adapters.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no file at ``path``.
+    """
+    return json.loads(_metadata(path).get("lora", "null") or "null")
 
 
 def read_projector_recipe(path: str | Path) -> BuildRecipe:
