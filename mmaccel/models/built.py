@@ -1,9 +1,9 @@
 """Built zoo models: composed at load time from other zoo entries plus small trained weights committed here.
 
 A built entry names its parts (zoo names, fetched on first use), the function that composes them, and the trained
-piece that joins them (for ``smol-llava``: a 0.55 M-parameter LLaVA projector, a 2.2 MB safetensors file under
-``assets/models/NAME/``). ``mmaccel.load(NAME)`` fetches the parts, composes the model and loads the trained piece;
-``mmaccel zoo train NAME`` trains that piece. Until it is trained, loading fails with one error naming that command.
+piece that joins them (for ``smol-llava``: a 0.55 M-parameter LLaVA projector and LoRA adapters of the LM, a 12 MB
+safetensors file under ``assets/models/NAME/``). ``mmaccel.load(NAME)`` fetches the parts, composes the model and
+loads the trained piece; ``mmaccel zoo train NAME`` trains that piece. Until it is trained, loading fails with one error naming that command.
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ BUILT: dict[str, BuiltEntry] = {
     "smol-llava": BuiltEntry(
         name="smol-llava",
         description="LlavaForConditionalGeneration: dinov2-small at 168 px (144 visual tokens) + smollm2-135m, "
-                    "joined by a trained 2-layer MLP projector (LLaVA-1.5 style, 0.55 M params)",
+                    "joined by a trained 2-layer MLP projector (LLaVA-1.5 style, 0.55 M params) and LoRA "
+                    "adapters of the LM (rank 8, merged at load)",
         parts=(("vision", "dinov2-small"), ("language", "smollm2-135m")),
         trainer="mmaccel.models.train_smol_llava:train",
     ),

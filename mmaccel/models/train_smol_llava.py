@@ -24,8 +24,9 @@ the LM's weights at load.
 - **Evaluation.** Greedy ``generate`` through the real path (processor -> pixels -> tower -> projector -> LM) on
   the held-out test split; a question counts as right when the first word of the answer equals the expected one.
 
-Outputs, in ``out_dir`` (default ``assets/models/smol-llava``): ``projector.safetensors`` (2.2 MB, float32, the build
-recipe and the parts' sha256 in its metadata), ``train_log.json`` and the training section of ``README.md``.
+Outputs, in ``out_dir`` (default ``assets/models/smol-llava``): ``projector.safetensors`` (2.2 MB, 12 MB with LoRA
+rank 8; float32, the build recipe and the parts' sha256 in its metadata), ``train_log.json`` and the training
+section of ``README.md``.
 """
 from __future__ import annotations
 
@@ -784,7 +785,8 @@ def train(
                        seed=seed, per_scene=per_scene, turns=turns, lora_rank=lora_rank, lora_alpha=lora_alpha,
                        lora_lr=lora_lr, single_object_steps=single_object_steps, autocast=autocast, clip_every=clip_every,
                        clip_bases=clip_bases, clip_steps=clip_steps, clip_short_steps=clip_short_steps,
-                       init_projector=init_projector, eval_n=eval_n, max_minutes=max_minutes, vision=vision, language=language)
+                       init_projector=init_projector, eval_n=eval_n, max_minutes=max_minutes, vision=vision,
+                       language=language)
     summary = {
         "name": name, "command": command, "steps": steps, "steps_done": step, "batch_size": batch_size, "lr": lr,
         "warmup": warmup, "seed": seed, "per_scene": per_scene, "turns": turns, "single_object_steps": single_object_steps, "autocast": autocast,
@@ -877,7 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the built model; its recipe gives the defaults of the options below")
     for flag, kind in (("steps", int), ("batch-size", int), ("lr", float), ("warmup", int), ("per-scene", int),
                        ("turns", int), ("lora-rank", int), ("lora-alpha", float), ("lora-lr", float), ("single-object-steps", int),
-                       ("clip-every", int), ("clip-bases", int), ("clip-steps", int), ("clip-short-steps", int), ("init-projector", str), ("eval-n", int), ("max-minutes", float), ("vision", str), ("language", str)):
+                       ("clip-every", int), ("clip-bases", int), ("clip-steps", int), ("clip-short-steps", int),
+                       ("init-projector", str), ("eval-n", int), ("max-minutes", float), ("vision", str),
+                       ("language", str)):
         p.add_argument(f"--{flag}", type=kind, default=None)
     p.add_argument("--autocast", default=None, choices=AUTOCAST,
                    help="precision of the training forward: bf16 is 1.45x faster per step on an AVX-512-BF16 CPU")
