@@ -39,9 +39,9 @@ from .smol_llava import projector_of
 #: of its base clip's 128 frames twice (the test clips change as slowly).
 CLIP_FRAMES = {1: 8, 4: 8, 16: 6, 64: 2, 256: 1}
 #: The clip lengths of the reading phase (``--clip-short-steps``): 1- and 4-frame clips, where the needle is
-#: found at once and only its reading is learnt. On ``smol-llava`` from its committed projector (LoRA rank 8, lr
-#: 1e-3), 250 steps of these took held-out number reading from chance to about 50%, where a mix of every length
-#: had learnt nothing after 270 clip steps.
+#: found at once and only its reading is learnt. In an ad-hoc probe run (2026-11-27, not committed), 250 steps of
+#: these from ``smol-llava``'s stage-1 projector (LoRA rank 8, lr 1e-3) took held-out number reading from chance to
+#: about 50%, where a mix of every length had learnt nothing after 270 clip steps.
 SHORT_FRAMES = {1: 8, 4: 8}
 #: Visual tokens per frame after pooling (a 12 x 12 grid averaged to 3 x 3).
 TOKENS_PER_FRAME = 9

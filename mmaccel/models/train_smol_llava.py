@@ -663,8 +663,8 @@ def train(
                          f"got steps={steps}, clip steps={n_clip}, clip_short_steps={clip_short_steps}")
     autocast_context(autocast, device)  # one clear error for an unknown value, before anything is loaded
     if min(batch_size, per_scene, turns) < 1 or lr <= 0 or lora_rank < 0 or lora_lr <= 0:
-        raise ValueError(f"steps, batch_size, per_scene and turns must be >= 1, lora_rank >= 0, lr and lora_lr > 0; "
-                         f"got steps={steps}, batch_size={batch_size}, per_scene={per_scene}, turns={turns}, "
+        raise ValueError(f"batch_size, per_scene and turns must be >= 1, lora_rank >= 0, lr and lora_lr > 0; "
+                         f"got batch_size={batch_size}, per_scene={per_scene}, turns={turns}, "
                          f"lora_rank={lora_rank}, lr={lr}, lora_lr={lora_lr}")
     per_scene = max(per_scene, turns)
     t_start = time.perf_counter()
