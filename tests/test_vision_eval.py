@@ -277,6 +277,26 @@ def test_video_niah_refuses_bad_settings(vlm):
         video_niah(model, processor, ["fastv:layer=5"], [2], [0.5], progress=False)
 
 
+def test_position_warning_names_only_the_methods_that_keep_original_positions(caplog):
+    from types import SimpleNamespace
+
+    from mmaccel.eval.video_niah import _warn_positions
+
+    model = SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=1000)))
+    contiguous = parse_visual_config("pooling:keep_ratio=0.25:positions=contiguous")
+    with caplog.at_level("WARNING", logger="mmaccel.eval.video_niah"):
+        _warn_positions(model, 144, 8, 6, [contiguous])  # 1,158 > 1,000, but every method renumbers
+        assert not caplog.records
+        _warn_positions(model, 144, 4, 6, [parse_visual_config("none")])  # 582: inside the range
+        assert not caplog.records
+        _warn_positions(model, 144, 8, 6, [contiguous, parse_visual_config("none"),
+                                           parse_visual_config("pooling:keep_ratio=0.25")])
+    (record,) = caplog.records
+    assert "reach position 1158" in record.getMessage()
+    assert "under none, pooling:keep_ratio=0.25:" in record.getMessage()
+    assert "positions=contiguous," not in record.getMessage()
+
+
 def test_visual_configs_parse_vision_and_kv():
     assert parse_visual_config("none") == VisualConfig("none")
     assert parse_visual_config("pooling:keep_ratio=0.25+snapkv:budget=64") == VisualConfig(

@@ -232,7 +232,8 @@ def video_niah(
     batched = None if vision_batch is None else BatchedVisionEncoding(model, vision_batch)
     warm_clip = make_clip(WARMUP_FRAMES, seed=split_seed("test", seed, 0), depth=0.5, size=size, kind=kind)
     warm_inputs = chat_inputs(processor, clip_images(warm_clip), warm_clip.question)
-    _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens)
+    _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens,
+                    configs)
 
     out = Path(out_dir) if out_dir is not None else None
     records: list[dict] = []
@@ -286,18 +287,25 @@ def video_niah(
     return result
 
 
-def _warn_positions(model, per_frame: int, most_frames: int, max_new_tokens: int) -> None:
-    """Warn when the longest clip's positions pass the language model's ``max_position_embeddings`` (kept visual
-    tokens keep their original positions by default, so reducing tokens does not shorten the position range; a
-    pre-LLM method with ``positions=contiguous`` does)."""
+def _warn_positions(model, per_frame: int, most_frames: int, max_new_tokens: int, configs) -> None:
+    """Warn when the longest clip's positions pass the language model's ``max_position_embeddings``, naming the
+    methods that reach them: kept visual tokens keep their original positions by default, so reducing tokens does not
+    shorten the position range; a pre-LLM method with ``positions=contiguous`` does, and is left out (no warning when
+    every method given renumbers)."""
+    from ..vision_tokens import build_method as build_vision
+
     config = getattr(model.config, "text_config", model.config)
     limit = getattr(config, "max_position_embeddings", None)
     last = per_frame * most_frames + max_new_tokens
-    if limit and last > limit:
+    if not limit or last <= limit:
+        return
+    original = [c.label for c in configs
+                if c.vision is None or getattr(build_vision(c.vision), "positions", "original") != "contiguous"]
+    if original:
         logger.warning("%d frames x %d visual tokens reach position %d, past the language model's "
-                       "max_position_embeddings=%d: answers there test position extrapolation too (a pre-LLM method with "
-                       "':positions=contiguous' numbers only the kept tokens)", most_frames,
-                       per_frame, last, limit)
+                       "max_position_embeddings=%d, under %s: answers there test position extrapolation too (a "
+                       "pre-LLM method with ':positions=contiguous' numbers only the kept tokens)", most_frames,
+                       per_frame, last, limit, ", ".join(original))
 
 
 def summarize_video(records: list[dict], labels: Sequence[str], frames: Sequence[int], depths: Sequence[float],

@@ -118,6 +118,15 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     pool += [f"Compare {a} and {b} as {c}." for a, b, c in _PAIRS]
     pool += [f"How do I {t}? Give step-by-step instructions." for t in _TASKS]
     pool += [f"Write a short poem about {p}." for p in _POEMS]
+    # second families (2026-11-27): more distinct requests, so a longer data phase does not repeat prompts
+    pool += [f"Write a diary entry by {c} who {e}." for c in _CHARACTERS for e in _EVENTS[::2]]
+    pool += [f"Write a short news report about {c} who {e}." for c in _CHARACTERS[1::2] for e in _EVENTS]
+    pool += [f"Describe {t} to {a} using an everyday comparison." for t in _THINGS for a in _AUDIENCES[::2]]
+    pool += [f"Write a short scene set in {p} {t}." for p in _PLACES for t in _TIMES]
+    pool += [f"What should {p} know about {a}?" for p in _PEOPLE for a in _ACTIVITIES]
+    pool += [f"Explain, step by step, why {w}." for w in _WHY]
+    pool += [f"List the main advantages and disadvantages of {t}." for t in _THINGS]
+    pool += [f"Write a short speech for {p} about {a}." for p in _PEOPLE[::2] for a in _ACTIVITIES]
     pool = sorted(set(pool) - set(FREE_PROMPTS))
     if n > len(pool):
         raise ValueError(f"the templates make {len(pool)} distinct prompts; asked for {n}")
