@@ -198,10 +198,13 @@ def test_training_learns_the_targets_next_tokens(tiny):
 def test_train_writes_a_head_that_round_trips(tmp_path):
     """`train` on micro-lm with a seconds-long budget: the files, the card, and a lossless trained drafter."""
     summary = train(tmp_path, target="micro-lm", n_free=6, n_copy=2, max_new_tokens=6, gen_batch=4,
-                    data_minutes=1, train_minutes=0.02, vocab=256, unroll=2, batch_size=2, max_len=96)
+                    data_minutes=1, text_minutes=0.01, train_minutes=0.02, vocab=256, unroll=2, batch_size=2,
+                    max_len=96)
     assert (tmp_path / "head.safetensors").is_file() and (tmp_path / "README.md").is_file()
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log["data"]["examples"] == 8 and log["train"]["steps"] >= 1
+    assert log["data"]["text_windows"] >= 1 and log["data"]["train_examples"] == 7 + log["data"]["text_windows"]
+    assert f"Teacher-forced text: {log['data']['text_windows']:,} windows" in (tmp_path / "README.md").read_text()
     assert 1.0 <= log["eval_after"]["mean_accepted_length"] <= 1 + len(log["eval_after"]["acc_chain"])
     assert summary["card"] == str(tmp_path / "README.md")
     head = load_head(tmp_path)

@@ -393,11 +393,11 @@ def evaluate(head, embed, lm_weight, examples, vocab_index, *, steps: int, scale
 
 
 def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, target: str = TARGET,
-          n_free: int = 900, n_copy: int = 300, max_new_tokens: int = 96, gen_batch: int = 48,
-          data_minutes: float = 16.0, train_minutes: float = 24.0, vocab: int = 8192, unroll: int = 3,
-          lr: float = 2e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
-          seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 0.0, text_cache=None,
-          weight_decay: float = 0.0, eval_every: int = 0) -> dict:
+          n_free: int = 1450, n_copy: int = 600, max_new_tokens: int = 96, gen_batch: int = 48,
+          data_minutes: float = 25.0, train_minutes: float = 50.0, vocab: int = 8192, unroll: int = 3,
+          lr: float = 1e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
+          seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 8.0, text_cache=None,
+          weight_decay: float = 0.0, eval_every: int = 150) -> dict:
     """Generate the data, train the head, evaluate it, write it with a card (see the module docstring).
 
     Parameters
@@ -595,6 +595,9 @@ def write_card(folder, summary: dict) -> Path:
     before, after = summary["eval_before"], summary["eval_after"]
     curve = "\n".join(f"| {row['step']} | {row['s']:.0f} | {row['loss']:.3f} | {_fmt(row['acc'])} | "
                       f"{_fmt(row['acc_chain'])} |" for row in t["curve"][:: max(1, len(t["curve"]) // 12)])
+    text_line = "" if not d.get("text_windows") else (
+        f"\n- Teacher-forced text: {d['text_windows']:,} windows ({d['text_tokens']:,} tokens) of the *train* split of "
+        f"the stdlib paragraphs,\n  read by the target in one forward each; the labels are its greedy next tokens there.")
     text = f"""# {summary['name']}: an EAGLE draft head for `{summary['target']}`
 
 A one-layer feature-level draft head (EAGLE, arXiv 2401.15077) for speculative decoding of `{summary['target']}`,
@@ -614,7 +617,7 @@ draft token. Only the head's own weights are here ({summary['head_parameters']:,
   {r['max_new_tokens']} new tokens at most -- templated chat requests (none of them a Spec-Bench prompt) and copy tasks
   on the *train* split of the stdlib paragraphs (Spec-Bench's copy prompts use the held-out split). {d['tokens']:,}
   tokens, {d['answer_tokens']:,} of them answers; {d['eval_examples']} answers held out for the evaluation below.
-  Features are caught by a forward hook during generation.
+  Features are caught by a forward hook during generation.{text_line}
 - Sub-vocabulary: {r['vocab']:,} tokens, covering {100 * summary['vocab_coverage_eval_answers']:.1f}% of the held-out
   answer tokens.
 - Recipe: {r['init']}; training-time test over {r['unroll']} drafting steps (EAGLE-3, arXiv 2503.01840), loss per step
