@@ -1,6 +1,7 @@
 """mmaccel.speculative: greedy exactness of every drafter, batch > 1 per row, telemetry, adaptive length, errors."""
 import json
 import types
+import warnings
 
 import pytest
 import torch
@@ -89,8 +90,11 @@ def test_self_draft_accepts_everything_and_uses_bonus_tokens(tiny):
     """The target as its own draft: every draft accepted, k + 1 tokens per forward (the bonus-token path)."""
     target, _ = tiny
     ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(4))
-    out = speculative_generate(target, ids, DraftModel(target), max_new_tokens=21, num_draft_tokens=4,
-                               eos_token_id=None)
+    with warnings.catch_warnings(record=True) as caught:  # caches go in under the models' current argument name
+        warnings.simplefilter("always")
+        out = speculative_generate(target, ids, DraftModel(target), max_new_tokens=21, num_draft_tokens=4,
+                                   eos_token_id=None)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
     assert torch.equal(out.sequences, _plain(target, ids, 21, eos_token_id=None))
     assert out.accepted[:4] == [4, 4, 4, 4] and out.acceptance_rate == 1.0
     assert out.target_forwards == 1 + 5  # prefill + 21 tokens in steps of 5 (the last one asks for 0 drafts)

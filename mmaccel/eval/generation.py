@@ -69,6 +69,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..longctx import METHODS as KV_METHODS
 from ..longctx import build_method, kv_cache_bytes
+from ..kernels.hf import cache_kwarg
 from ..specs import parse_method_spec
 from .memory import PeakMemory, check_cpu_meter
 
@@ -507,16 +508,6 @@ def check_composition(model, method, *, kv=None, vision=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- probes
-def generate_cache_kwarg(cache) -> dict:
-    """``{name: cache}`` for ``model.generate``: transformers 5.24 renamed ``past_key_values`` to ``cache`` there (the
-    old name still works until 6.0, with a deprecation warning on every call); earlier 5.x versions take only
-    ``past_key_values``."""
-    import transformers
-    from packaging.version import Version
-
-    return {"cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values": cache}
-
-
 def _sync(device: torch.device) -> None:
     """Wait for queued CUDA work on ``device`` (no-op elsewhere)."""
     if device.type == "cuda":
@@ -585,7 +576,7 @@ class _KVCacheRun:
             out = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                **generate_cache_kwarg(cache),
+                **cache_kwarg(model, cache, generate=True),
                 max_new_tokens=max_new_tokens,
                 logits_processor=LogitsProcessorList([probe]),
                 **gen_kwargs,

@@ -17,6 +17,8 @@ Example
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 
@@ -28,6 +30,31 @@ from .patterns import BlockSparse, Chunked, Dense, as_head_patterns, head_masks,
 from .sparse_prefill import sparse_prefill_attention
 
 logger = logging.getLogger(__name__)
+
+
+def cache_kwarg(model, cache, *, generate: bool = False) -> dict:
+    """``{name: cache}`` to pass a KV cache to ``model(...)`` or (``generate=True``) ``model.generate(...)``.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` in the models' ``forward`` and in ``generate`` (the old
+    name still works until 6.0, with a deprecation warning); earlier 5.x versions, and models whose ``forward`` has no
+    ``cache`` parameter, take ``past_key_values``.
+    """
+    return {_cache_name(type(model), generate): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(cls, generate: bool) -> str:
+    if generate:  # generate takes **kwargs; the rename came with 5.24
+        import transformers
+        from packaging.version import Version
+
+        return "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+    forward = getattr(cls, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
 
 PATTERN_ATTR = "_mmaccel_patterns"
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from ..kernels import attention_column_scores
 from ..kernels.dense import causal_mask
-from ..kernels.hf import attention_modules
+from ..kernels.hf import attention_modules, cache_kwarg
 from .base import mean_over_query_groups, window_queries
 from .head_pattern import HeadPattern, config_fingerprint
 
@@ -46,7 +46,7 @@ def _observe(model, input_ids: torch.Tensor, window: int, score_fn) -> list[torc
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules.values()]
     try:
         with torch.no_grad():
-            model(input_ids.to(model.device), past_key_values=cache, use_cache=True)
+            model(input_ids.to(model.device), **cache_kwarg(model, cache), use_cache=True)
     finally:
         for h in handles:
             h.remove()

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache
 
+from ..kernels.hf import cache_kwarg
 from .base import ColumnPositions, Draft, Drafter, crop_cache, left_padding
 from .sampling import Sampler
 
@@ -144,8 +145,8 @@ class DraftModel(Drafter):
         (:class:`~mmaccel.speculative.base.ColumnPositions`), not from a pass over the mask.
         """
         logits = self.model(input_ids=tokens, attention_mask=None if self._pads is None else mask[:, :end],
-                            position_ids=self._positions(end - tokens.shape[1], end), past_key_values=self._cache,
-                            use_cache=True, logits_to_keep=1).logits
+                            position_ids=self._positions(end - tokens.shape[1], end),
+                            **cache_kwarg(self.model, self._cache), use_cache=True, logits_to_keep=1).logits
         self._forwards += 1
         return logits
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..kernels.hf import cache_kwarg
 from ..longctx import kv_cache_bytes
 from . import tree as _tree
 from . import verify as _verify
@@ -304,7 +305,7 @@ def _verify_chain(model, cache, seq, draft_tokens, position_ids, attention_mask,
     k = draft_tokens.shape[1]
     step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
     logits = model(input_ids=step_in, attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True).logits
+                   **cache_kwarg(model, cache), use_cache=True).logits
     if logits.shape[1] != k + 1:
         logits = logits[:, -(k + 1):]
     if sampler.greedy:
@@ -489,8 +490,8 @@ def speculative_generate(
         if L > 1:
             t0 = time.perf_counter()
             model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
-                  position_ids=positions(positions_from_mask(mask)[:, :-1], prefill=True), past_key_values=cache,
-                  use_cache=True, logits_to_keep=1, **prefill_inputs)
+                  position_ids=positions(positions_from_mask(mask)[:, :-1], prefill=True),
+                  **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1, **prefill_inputs)
             _sync(device)
             out.prefill_seconds += time.perf_counter() - t0
             out.target_forwards += 1

@@ -228,12 +228,14 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
         raise ValueError("need max_draft, context, repeats >= 1 and clock 'wall' or 'cpu'")
     from transformers import DynamicCache
 
+    from ..kernels.hf import cache_kwarg
+
     now = time.perf_counter if clock == "wall" else time.process_time
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), past_key_values=cache,
+    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), **cache_kwarg(model, cache),
           use_cache=True)
     times: dict[int, list] = {n: [] for n in range(1, max_draft + 2)}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -243,7 +245,7 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
                 torch.cuda.synchronize(device)
             t0 = now()
             model(input_ids=ids, position_ids=torch.arange(context, context + n, device=device)[None],
-                  past_key_values=cache, use_cache=True)
+                  **cache_kwarg(model, cache), use_cache=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             spent.append(now() - t0)

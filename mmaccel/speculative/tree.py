@@ -52,6 +52,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
+from ..kernels.hf import cache_kwarg
 from ..kernels.tree import tree_attention_mask
 from .base import Draft, crop_cache
 from .draft_model import DraftModel
@@ -460,7 +461,7 @@ def verify_tree(model, cache, pending: torch.Tensor, draft: TreeDraft, start: to
     allowed = tree_attention_mask(tree.mask.to(device), held, 1)  # [1, 1, N + 1, held + N + 1]
     pos = start + torch.tensor(tree.depths, device=device)[None]
     logits = model(input_ids=step_in, attention_mask=model_tree_mask(model, allowed),
-                   position_ids=positions(pos) if positions is not None else pos, past_key_values=cache,
+                   position_ids=positions(pos) if positions is not None else pos, **cache_kwarg(model, cache),
                    use_cache=True).logits[0, -(tree.size + 1):]
     tokens = draft.tokens[0].tolist()
     path, nxt = walk_tree(logits, tokens, tree, sampler, generator)
@@ -656,7 +657,7 @@ class TreeDrafter(DraftModel):
         logits = self.model(input_ids=torch.tensor([[tokens[n] for n in nodes]], device=device),
                             attention_mask=model_tree_mask(self.model, allowed[None, None]),
                             position_ids=root_pos + torch.tensor([[depths[n] for n in nodes]], device=device),
-                            past_key_values=self._cache, use_cache=True).logits[0]
+                            **cache_kwarg(self.model, self._cache), use_cache=True).logits[0]
         self._forwards += 1
         self._fed = seen
         return logits.float().log_softmax(dim=-1)
