@@ -22,9 +22,9 @@ import time
 
 import torch
 
-import mmaccel
 from mmaccel.data.scenes import PALETTE, SHAPES, make_scene
 from mmaccel.data.splits import split_seed
+from smol_llava_feature_probe import parse_and_load  # the sibling script in benchmarks/
 
 COLOURS = list(PALETTE)
 
@@ -80,14 +80,7 @@ def main() -> None:
     p.add_argument("--test", type=int, default=300, help="held-out scenes")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 6, 8, 10, 12])
     p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    model, processor = mmaccel.load("smol-llava", device="cpu")
-    tower = model.model.vision_tower
+    a, tower, processor = parse_and_load(p)
     t0 = time.perf_counter()
     x_train, q_train = scene_features(tower, processor, "train", a.train, a.layers)
     x_test, q_test = scene_features(tower, processor, "test", a.test, a.layers)

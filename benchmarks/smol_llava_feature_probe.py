@@ -61,10 +61,9 @@ def probe(x_train, y_train, x_test, y_test, classes: int) -> float:
     return float(((x_test @ w + b).argmax(1) == y_test).float().mean())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--train", type=int, default=250, help="training scenes")
-    p.add_argument("--test", type=int, default=100, help="held-out scenes")
+def parse_and_load(p: argparse.ArgumentParser):
+    """Add ``--threads`` and ``--out`` to a probe's parser, parse, set the threads and seed 0, load ``smol-llava``;
+    returns ``(args, vision tower, processor)``. Shared with ``scene_binding_probe.py``."""
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -72,7 +71,14 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, processor = mmaccel.load("smol-llava", device="cpu")
-    tower = model.model.vision_tower
+    return a, model.model.vision_tower, processor
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--train", type=int, default=250, help="training scenes")
+    p.add_argument("--test", type=int, default=100, help="held-out scenes")
+    a, tower, processor = parse_and_load(p)
     t0 = time.perf_counter()
     xtr, ytr = object_features(tower, processor, "train", a.train)
     xte, yte = object_features(tower, processor, "test", a.test)

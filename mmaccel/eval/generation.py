@@ -67,9 +67,9 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ..kernels.hf import cache_kwarg
 from ..longctx import METHODS as KV_METHODS
 from ..longctx import build_method, kv_cache_bytes
-from ..kernels.hf import cache_kwarg
 from ..specs import parse_method_spec
 from .memory import PeakMemory, check_cpu_meter
 

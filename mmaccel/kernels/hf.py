@@ -56,6 +56,7 @@ def _cache_name(cls, generate: bool) -> str:
         params = {}
     return "cache" if "cache" in params else "past_key_values"
 
+
 PATTERN_ATTR = "_mmaccel_patterns"
 
 
