@@ -540,3 +540,34 @@ def test_clip_only_run_from_a_trained_projector_with_a_reading_phase(parts, tmp_
     with pytest.raises(ValueError, match="clip_short_steps"):
         tr.train(tmp_path / "e", steps=1, clip_steps=1, clip_short_steps=2, vision=str(parts[0]),
                  language=str(parts[1]), progress=False)
+
+
+def test_question_first_puts_the_image_after_the_question_in_training_and_at_load(parts, tmp_path):
+    """``question_first``: the recipe records it, so training, its evaluation and a later load all write the
+    question before the image, also for chats written image-first (HF's usual order) and for several images; a
+    stage 2 from an image-first projector keeps its other recipe fields and takes the new order."""
+    first = tr.train(tmp_path / "a", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0, vision=str(parts[0]),
+                     language=str(parts[1]), progress=False)
+    init = tmp_path / "a" / "projector.safetensors"
+    summary = tr.train(tmp_path / "b", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=2, vision=str(parts[0]),
+                       language=str(parts[1]), progress=False, question_first=True, init_projector=init)
+    assert not first["recipe"]["question_first"] and summary["recipe"]["question_first"]
+    assert {k: v for k, v in summary["recipe"].items() if k != "question_first"} == \
+        {k: v for k, v in first["recipe"].items() if k != "question_first"}
+    assert "--question-first" in summary["command"] and summary["question_first"]
+    _, processor = sl.build_llava(*parts, projector=tmp_path / "b" / "projector.safetensors")
+    text = processor.apply_chat_template(tr.messages("What color is the square?"), add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.index("What color is the square?") < text.index(sl.IMAGE_TOKEN)
+    assert text.endswith(f"phrase.\n{sl.IMAGE_TOKEN}\n<|im_end|>\n<|im_start|>assistant\n")
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Q?"}]}]
+    assert processor.apply_chat_template(chat, tokenize=False).startswith(
+        f"<|im_start|>user\nQ?\n{sl.IMAGE_TOKEN}\n{sl.IMAGE_TOKEN}\n<|im_end|>")
+    qas = make_scene_qa(5, seed=0, split="train", per_scene=5)
+    examples, _ = tr.encode_examples(processor, qas[:1])
+    ids = examples[0].input_ids
+    first_image = ids.index(processor.tokenizer.convert_tokens_to_ids(sl.IMAGE_TOKEN))
+    question = processor.tokenizer.encode(qas[0].question, add_special_tokens=False)
+    assert any(ids[i:i + len(question)] == question for i in range(first_image))  # the question precedes the image
+    _, default = sl.build_llava(*parts, projector=init)
+    assert default.chat_template == sl.CHAT_TEMPLATE and processor.chat_template == sl.CHAT_TEMPLATE_QUESTION_FIRST

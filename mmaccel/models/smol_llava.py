@@ -65,6 +65,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+#: :data:`CHAT_TEMPLATE` for a model trained with the question first (``BuildRecipe.question_first``): in each turn
+#: the text items come first, then a newline and every image item (``<image>`` and a newline each), wherever the
+#: images stand in the message, so a chat written image-first (HF's usual order) gets the trained order.
+CHAT_TEMPLATE_QUESTION_FIRST = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] if item['type'] == 'text' %}{{ item['text'] }}{% endfor %}"
+    "{% for item in message['content'] if item['type'] == 'image' %}{% if loop.first %}{{ '\\n' }}{% endif %}"
+    + IMAGE_TOKEN + "\n{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,10 @@ class BuildRecipe:
         Standard deviation of the projector's initial weights (biases start at 0).
     seed : int
         Seed of the projector's initialisation.
+    question_first : bool
+        The chat puts each turn's text before its images (:data:`CHAT_TEMPLATE_QUESTION_FIRST`), so the visual
+        tokens come after the question and can attend to it; False: images first (:data:`CHAT_TEMPLATE`, LLaVA's
+        order).
     """
 
     image_size: int = 168
@@ -93,6 +108,7 @@ class BuildRecipe:
     projector_hidden_act: str = "gelu"
     init_std: float = 0.02
     seed: int = 0
+    question_first: bool = False
 
     def to_json(self) -> str:
         """The recipe as a JSON object string."""
@@ -201,6 +217,12 @@ def add_image_token(lm: nn.Module, tokenizer) -> int:
     return image_id
 
 
+def chat_template(recipe: BuildRecipe) -> str:
+    """The processor's chat template for ``recipe``: :data:`CHAT_TEMPLATE_QUESTION_FIRST` when
+    ``recipe.question_first``, else :data:`CHAT_TEMPLATE`."""
+    return CHAT_TEMPLATE_QUESTION_FIRST if recipe.question_first else CHAT_TEMPLATE
+
+
 def build_processor(vision_dir, language_dir, recipe: BuildRecipe = BuildRecipe(), *, patch_size: int | None = None,
                     projector: str | Path | None = None):
     """The ``LlavaProcessor`` of a composed model: the LM's tokenizer plus ``<image>``, the tower's image processor.
@@ -223,7 +245,8 @@ def build_processor(vision_dir, language_dir, recipe: BuildRecipe = BuildRecipe(
     transformers.LlavaProcessor
         Left padding; images resized (shortest edge) and center-cropped to ``recipe.image_size`` pixels, rescaled
         and normalised with the tower's mean and std: ``pixel_values`` [B, 3, S, S] float32. One ``<image>`` in the
-        text becomes ``(S // patch)**2`` tokens (plus one with ``"full"``). Chat template: :data:`CHAT_TEMPLATE`.
+        text becomes ``(S // patch)**2`` tokens (plus one with ``"full"``). Chat template: :data:`CHAT_TEMPLATE`, or
+        :data:`CHAT_TEMPLATE_QUESTION_FIRST` when ``recipe.question_first``.
 
     Raises
     ------
@@ -243,7 +266,8 @@ def build_processor(vision_dir, language_dir, recipe: BuildRecipe = BuildRecipe(
                                               padding_side="left")
     return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                           vision_feature_select_strategy=recipe.vision_feature_select_strategy,
-                          num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+                          num_additional_image_tokens=1,
+                          chat_template=chat_template(recipe))
 
 
 def build_llava(
