@@ -368,6 +368,29 @@ def test_lora_training_is_stored_and_merged_at_load(parts, batch, tmp_path):
     assert sl.merge_lora(again, sl.save_projector(again, tmp_path / "plain.safetensors")) == 0
 
 
+def test_stacked_lora_adapters_give_the_sum_of_both_updates():
+    """:func:`stack_lora`: ``scale * B @ A`` of the stack equals the two updates' sum, for different ranks and
+    scales; adapters of other modules or shapes are refused."""
+    gen = torch.Generator().manual_seed(0)
+
+    def lora(rank, scale, shapes):
+        return {"scale": scale, "rank": rank, "alpha": scale * rank,
+                "modules": {n: (torch.randn(rank, i, generator=gen), torch.randn(o, rank, generator=gen))
+                            for n, (o, i) in shapes.items()}}
+
+    shapes = {"layers.0.q_proj": (8, 6), "layers.0.down_proj": (6, 10)}
+    first, then = lora(2, 4.0, shapes), lora(3, 0.5, shapes)
+    both = sl.stack_lora(first, then)
+    assert both["rank"] == 5 and both["scale"] == 0.5 and both["alpha"] == 2.5
+    for n in shapes:
+        (a1, b1), (a2, b2), (a, b) = first["modules"][n], then["modules"][n], both["modules"][n]
+        torch.testing.assert_close(both["scale"] * b @ a, 4.0 * b1 @ a1 + 0.5 * b2 @ a2)
+    with pytest.raises(ValueError, match="different modules"):
+        sl.stack_lora(first, lora(3, 0.5, {"layers.0.q_proj": (8, 6)}))
+    with pytest.raises(ValueError, match="do not chain"):
+        sl.stack_lora(first, lora(3, 0.5, {"layers.0.q_proj": (8, 7), "layers.0.down_proj": (6, 10)}))
+
+
 def test_hf_save_pretrained_round_trip(built, batch, tmp_path):
     model, processor = built
     _, inputs = batch
@@ -531,10 +554,21 @@ def test_clip_only_run_from_a_trained_projector_with_a_reading_phase(parts, tmp_
     pytest.importorskip("peft")
     lora = tr.train(tmp_path / "c", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0, vision=str(parts[0]),
                     language=str(parts[1]), progress=False, lora_rank=2)
-    with pytest.raises(ValueError, match="holds LoRA adapters"):
-        tr.train(tmp_path / "d", steps=1, vision=str(parts[0]), language=str(parts[1]), progress=False,
-                 init_projector=tmp_path / "c" / "projector.safetensors")
-    assert lora["lora"]["rank"] == 2
+    assert lora["lora"]["rank"] == 2 and lora["stored_lora_rank"] == 2
+    # a run from a file with adapters continues it: they are merged first, and stored stacked with the new ones
+    init = tmp_path / "c" / "projector.safetensors"
+    more = tr.train(tmp_path / "d", steps=2, batch_size=2, lr=3e-3, lora_lr=3e-2, warmup=1, eval_n=0,
+                    vision=str(parts[0]), language=str(parts[1]), progress=False, lora_rank=3, init_projector=init)
+    assert more["init_lora_rank"] == 2 and more["stored_lora_rank"] == 5
+    old, new = sl.read_lora(init), sl.read_lora(tmp_path / "d" / "projector.safetensors")
+    assert new["rank"] == 5 and set(new["modules"]) == set(old["modules"])
+    for name, (a, b) in new["modules"].items():
+        assert torch.equal(a[:2], old["modules"][name][0])
+        torch.testing.assert_close(new["scale"] * b[:, :2], old["scale"] * old["modules"][name][1])
+    assert any(b[:, 2:].abs().sum() > 0 for _, b in new["modules"].values())  # the new adapters learnt
+    projector_only = tr.train(tmp_path / "e", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0,
+                              vision=str(parts[0]), language=str(parts[1]), progress=False, init_projector=init)
+    assert projector_only["stored_lora_rank"] == 2  # the merged adapters stay in the file a load rebuilds from
     with pytest.raises(ValueError, match="clip_short_steps"):
         tr.train(tmp_path / "e", steps=0, vision=str(parts[0]), language=str(parts[1]), progress=False)
     with pytest.raises(ValueError, match="clip_short_steps"):

@@ -432,6 +432,68 @@ def lora_state(language_model: nn.Module, adapter: str = "default") -> dict:
     return {"scale": scales.pop(), "rank": ranks.pop(), "alpha": alphas.pop(), "modules": modules}
 
 
+def read_lora(path: str | Path) -> dict | None:
+    """The LoRA adapters stored in a projector file, in :func:`lora_state`'s form, or ``None`` when it holds none.
+
+    Returns
+    -------
+    dict or None
+        ``{"scale", "rank", "alpha", "modules": {LM module name: (A [r, in], B [out, r])}}``, float32 tensors.
+
+    Raises
+    ------
+    FileNotFoundError, ValueError
+        As :func:`read_projector_recipe`.
+    """
+    from safetensors import safe_open
+
+    info = read_projector_lora(path)
+    if not info:
+        return None
+    with safe_open(str(path), "pt") as f:
+        names = sorted(k[len(_LORA):-2] for k in f.keys() if k.startswith(_LORA) and k.endswith(".A"))
+        modules = {n: (f.get_tensor(f"{_LORA}{n}.A").float(), f.get_tensor(f"{_LORA}{n}.B").float()) for n in names}
+    return {**info, "modules": modules}
+
+
+def stack_lora(first: dict, then: dict) -> dict:
+    """One set of LoRA adapters whose update is the sum of two: ``then`` trained on top of ``first`` merged.
+
+    For each module, ``A = [A1; A2]`` and ``B = [B1 * s1 / s2, B2]`` with ``scale = s2``, so ``scale * B @ A =
+    s1 * B1 @ A1 + s2 * B2 @ A2`` (exact up to float rounding); the rank is ``r1 + r2`` and ``alpha = s2 * rank``.
+    This is how a run that starts from a file with adapters (``init_projector``) stores what a load must merge.
+
+    Parameters
+    ----------
+    first, then : dict
+        In :func:`lora_state`'s form.
+
+    Returns
+    -------
+    dict
+        In :func:`lora_state`'s form.
+
+    Raises
+    ------
+    ValueError
+        If the two do not adapt the same modules, or a module's factor shapes do not chain.
+    """
+    if set(first["modules"]) != set(then["modules"]):
+        raise ValueError(f"the two adapter sets adapt different modules: "
+                         f"{sorted(set(first['modules']) ^ set(then['modules']))[:4]}")
+    ratio = first["scale"] / then["scale"]
+    modules = {}
+    for name, (a2, b2) in then["modules"].items():
+        a1, b1 = first["modules"][name]
+        if a1.shape[1] != a2.shape[1] or b1.shape[0] != b2.shape[0]:
+            raise ValueError(f"the adapters of {name!r} do not chain: {tuple(b1.shape)} x {tuple(a1.shape)} then "
+                             f"{tuple(b2.shape)} x {tuple(a2.shape)}")
+        modules[name] = (torch.cat([a1.float(), a2.float().to(a1.device)]),
+                         torch.cat([b1.float() * ratio, b2.float().to(b1.device)], dim=1))
+    rank = first["rank"] + then["rank"]
+    return {"scale": then["scale"], "rank": rank, "alpha": then["scale"] * rank, "modules": modules}
+
+
 @torch.no_grad()
 def merge_lora(model, path: str | Path) -> int:
     """Merge the LoRA factors stored in a projector file into the LM's weights: ``W += scale * B @ A``.
@@ -452,28 +514,21 @@ def merge_lora(model, path: str | Path) -> int:
     ValueError
         If a stored module is not a linear layer of this LM, or its factors' shapes do not fit it.
     """
-    from safetensors import safe_open
-
-    info = read_projector_lora(path)
-    if not info:
+    lora = read_lora(path)
+    if not lora:
         return 0
     lm = model.model.language_model
-    merged = 0
-    with safe_open(str(path), "pt") as f:
-        names = sorted(k[len(_LORA):-2] for k in f.keys() if k.startswith(_LORA) and k.endswith(".A"))
-        for name in names:
-            try:
-                layer = lm.get_submodule(name)
-            except AttributeError:
-                layer = None
-            a, b = f.get_tensor(f"{_LORA}{name}.A"), f.get_tensor(f"{_LORA}{name}.B")
-            if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != (b.shape[0], a.shape[1]):
-                raise ValueError(f"{path}: the LoRA factors of {name!r} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
-                                 f"this language model: it was trained for other parts")
-            delta = info["scale"] * (b.to(torch.float32) @ a.to(torch.float32))
-            layer.weight.copy_((layer.weight.to(torch.float32) + delta.to(layer.weight.device)).to(layer.weight.dtype))
-            merged += 1
-    return merged
+    for name, (a, b) in lora["modules"].items():
+        try:
+            layer = lm.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != (b.shape[0], a.shape[1]):
+            raise ValueError(f"{path}: the LoRA factors of {name!r} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
+                             f"this language model: it was trained for other parts")
+        delta = lora["scale"] * (b @ a)
+        layer.weight.copy_((layer.weight.to(torch.float32) + delta.to(layer.weight.device)).to(layer.weight.dtype))
+    return len(lora["modules"])
 
 
 def _metadata(path: str | Path) -> dict:

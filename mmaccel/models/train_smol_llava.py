@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 from .card import _fmt_table
-from .smol_llava import (BuildRecipe, build_llava, chat_template, embed_with_features, image_features, lora_state, projector_of,
-                         read_projector_lora, read_projector_recipe, save_projector)
+from .smol_llava import (BuildRecipe, build_llava, chat_template, embed_with_features, image_features, lora_state,
+                         projector_of, read_lora, read_projector_recipe, save_projector, stack_lora)
 
 logger = logging.getLogger(__name__)
 
@@ -617,7 +617,9 @@ def train(
         needle), the rest every length (finding it). At most ``clip_steps``.
     init_projector : path, optional
         Start from this trained projector file (LLaVA's stage 2 starts from stage 1's projector); its build recipe
-        is used. It must hold no LoRA adapters (new ones are trained on top and stored alone).
+        is used. When it holds LoRA adapters they are merged into the LM first (as a load does), new ones are
+        trained on top, and the written file holds both, stacked (:func:`mmaccel.models.smol_llava.stack_lora`), so
+        a run can be continued from its own output.
     question_first : bool
         Train (and evaluate) with the question before the image in the user turn
         (:attr:`mmaccel.models.smol_llava.BuildRecipe.question_first`, recorded in the written file, so a load gets
@@ -652,8 +654,7 @@ def train(
     ------
     ValueError
         For non-positive ``batch_size``, ``lr`` or ``per_scene``, negative ``steps`` (or 0 without clip steps),
-        ``clip_short_steps`` outside ``[0, clip_steps]``, an ``init_projector`` holding LoRA adapters, or an
-        unknown ``name``.
+        ``clip_short_steps`` outside ``[0, clip_steps]``, or an unknown ``name``.
     mmaccel.models.ModelLoadError
         If a part cannot be fetched or loaded.
     """
@@ -687,9 +688,7 @@ def train(
     recipe = BuildRecipe(seed=seed, question_first=question_first)
     if init_projector is not None:  # its build recipe, with this run's prompt order
         recipe = dataclasses.replace(read_projector_recipe(init_projector), question_first=question_first)
-        if read_projector_lora(init_projector):
-            raise ValueError(f"{init_projector} holds LoRA adapters; start from a projector-only file (new adapters "
-                             f"are trained on top and stored alone, so a load could not rebuild the merged weights)")
+    previous_lora = read_lora(init_projector) if init_projector is not None else None  # merged by build_llava
     model, processor = build_llava(parts["vision"]["path"], parts["language"]["path"], recipe=recipe,
                                    projector=init_projector)
     processor.chat_template = chat_template(recipe)
@@ -778,6 +777,8 @@ def train(
                         "lr": lr_at(step - 1, total, lr, warmup), "elapsed_s": time.perf_counter() - t_start})
     train_s = time.perf_counter() - t_train
     lora = lora_state(model.model.language_model) if lora_rank else None
+    if previous_lora:  # what a load merges: the adapters the run started from, then this run's
+        lora = stack_lora(previous_lora, lora) if lora else previous_lora
     save_projector(model, out / "projector.safetensors", recipe=recipe, lora=lora,
                    parts={role: {k: v for k, v in p.items() if k != "path"} for role, p in parts.items()})
 
@@ -804,6 +805,8 @@ def train(
         "clip_bases": clip_bases if n_clip else 0, "clip_short_steps": clip_short_steps,
         "init_projector": str(init_projector) if init_projector is not None else None,
         "question_first": question_first,
+        "init_lora_rank": previous_lora["rank"] if previous_lora else 0,
+        "stored_lora_rank": lora["rank"] if lora else 0,
         "lora": {"rank": lora_rank, "alpha": lora_alpha, "lr": lora_lr,
                  "params": sum(p.numel() for g in groups[1:] for p in g["params"])} if lora_rank else None,
         "train_scenes": len(images), "stopped_early": stopped_early, "max_minutes": max_minutes,
