@@ -588,7 +588,7 @@ def test_question_first_puts_the_image_after_the_question_in_training_and_at_loa
     assert not first["recipe"]["question_first"] and summary["recipe"]["question_first"]
     assert {k: v for k, v in summary["recipe"].items() if k != "question_first"} == \
         {k: v for k, v in first["recipe"].items() if k != "question_first"}
-    assert "--question-first" in summary["command"] and summary["question_first"]
+    assert "--question-first" in summary["command"]
     _, processor = sl.build_llava(*parts, projector=tmp_path / "b" / "projector.safetensors")
     text = processor.apply_chat_template(tr.messages("What color is the square?"), add_generation_prompt=True,
                                          tokenize=False)

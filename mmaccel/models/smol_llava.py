@@ -266,8 +266,7 @@ def build_processor(vision_dir, language_dir, recipe: BuildRecipe = BuildRecipe(
                                               padding_side="left")
     return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                           vision_feature_select_strategy=recipe.vision_feature_select_strategy,
-                          num_additional_image_tokens=1,
-                          chat_template=chat_template(recipe))
+                          num_additional_image_tokens=1, chat_template=chat_template(recipe))
 
 
 def build_llava(

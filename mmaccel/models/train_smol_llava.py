@@ -795,8 +795,8 @@ def train(
                        seed=seed, per_scene=per_scene, turns=turns, lora_rank=lora_rank, lora_alpha=lora_alpha,
                        lora_lr=lora_lr, single_object_steps=single_object_steps, autocast=autocast, clip_every=clip_every,
                        clip_bases=clip_bases, clip_steps=clip_steps, clip_short_steps=clip_short_steps,
-                       init_projector=init_projector, question_first=question_first, eval_n=eval_n, max_minutes=max_minutes, vision=vision,
-                       language=language)
+                       init_projector=init_projector, question_first=question_first, eval_n=eval_n,
+                       max_minutes=max_minutes, vision=vision, language=language)
     summary = {
         "name": name, "command": command, "steps": steps, "steps_done": step, "batch_size": batch_size, "lr": lr,
         "warmup": warmup, "seed": seed, "per_scene": per_scene, "turns": turns, "single_object_steps": single_object_steps, "autocast": autocast,
@@ -804,7 +804,6 @@ def train(
         "clip_every": clip_every, "clip_steps_done": clip_step, "clip_conversations_seen": clip_seen,
         "clip_bases": clip_bases if n_clip else 0, "clip_short_steps": clip_short_steps,
         "init_projector": str(init_projector) if init_projector is not None else None,
-        "question_first": question_first,
         "init_lora_rank": previous_lora["rank"] if previous_lora else 0,
         "stored_lora_rank": lora["rank"] if lora else 0,
         "lora": {"rank": lora_rank, "alpha": lora_alpha, "lr": lora_lr,
