@@ -23,7 +23,7 @@ from transformers import (
 )
 
 import mmaccel
-from mmaccel.data.scenes import ANSWERS, make_scene_qa
+from mmaccel.data.scenes import ANSWERS, describe_scene, make_scene_qa
 from mmaccel.models import built as built_mod
 from mmaccel.models import smol_llava as sl
 from mmaccel.models import train_smol_llava as tr
@@ -216,6 +216,60 @@ def test_multi_turn_conversations_put_one_image_before_several_answers(built):
     assert exact.shape == (2,)
     with pytest.raises(ValueError, match="turns must be >= 1"):
         tr.encode_examples(processor, qas, turns=0)
+
+
+def test_caption_turn_ends_each_conversation_with_the_scene_description(built):
+    """``caption=True``: the questions come first, byte-identical to a run without captions; then one user turn asks
+    for the objects and every token of the reading-order caption (and its EOS) is a loss target."""
+    _, processor = built
+    tok = processor.tokenizer
+    qas = make_scene_qa(4, seed=5, per_scene=2)
+    plain, images = tr.encode_examples(processor, qas, turns=2)
+    captioned, images2 = tr.encode_examples(processor, qas, turns=2, caption=True)
+    assert len(captioned) == len(plain) == 2 and len(images2) == len(images)
+    for p, c, scene in zip(plain, captioned, (qas[0], qas[2])):
+        assert c.input_ids[:len(p.input_ids)] == p.input_ids and c.labels[:len(p.labels)] == p.labels
+        text = describe_scene(scene.objects)
+        assert c.kinds == [*p.kinds, "caption"] and c.answers == [*p.answers, text]
+        caption = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        assert [t for t in c.labels[len(p.labels):] if t != -100] == caption
+        assert c.input_ids[-len(caption):] == caption
+        asked = tok.decode(c.input_ids[len(p.input_ids):len(c.input_ids) - len(caption)])
+        assert tr.CAPTION_PROMPT in asked and text not in asked
+    assert tr.build_parser().parse_args(["--caption"]).caption is True
+
+
+def test_visual_norm_penalty_measures_the_log_distance_to_the_text_scale(built, batch):
+    """The penalty is the mean squared log-ratio of visual-token norms to the target: moving the target 10x away
+    from the tokens' geometric-mean norm adds exactly log(10)^2; it is differentiable in the projector."""
+    import math
+
+    model, _ = built
+    _, inputs = batch
+    with torch.no_grad():
+        feats = sl.image_features(model, inputs["pixel_values"])
+        geo = float(sl.projector_of(model)(feats).norm(dim=-1).log().mean().exp())
+    at = tr.visual_norm_penalty(model, feats, geo)
+    off = tr.visual_norm_penalty(model, feats, 10 * geo)
+    assert float(at.detach()) >= 0
+    torch.testing.assert_close(off - at, torch.tensor(math.log(10) ** 2), rtol=1e-4, atol=1e-4)
+    off.backward()
+    assert all(p.grad is not None for p in sl.projector_of(model).parameters())
+    model.zero_grad(set_to_none=True)
+    rows = model.get_input_embeddings().weight.detach().norm(dim=-1)
+    assert tr.median_text_norm(model) == pytest.approx(float(rows.median()))
+
+
+def test_describe_scene_lists_objects_in_reading_order():
+    """Row first, then column; each object's own size, colour and shape side by side; an empty scene is refused."""
+    from mmaccel.data.scenes import SceneObject
+
+    objs = (SceneObject("circle", "red", "small", (130, 20), 5, (0, 3)),
+            SceneObject("square", "blue", "large", (20, 130), 9, (3, 0)),
+            SceneObject("triangle", "green", "large", (20, 20), 9, (0, 0)))
+    assert describe_scene(objs) == "a large green triangle, a small red circle, a large blue square."
+    with pytest.raises(ValueError, match="at least one object"):
+        describe_scene(())
 
 
 def test_shuffle_turns_permutes_within_scenes_only():

@@ -25,6 +25,7 @@ _EXPORTS = {
     "make_scene": "scenes",
     "make_scene_qa": "scenes",
     "scene_questions": "scenes",
+    "describe_scene": "scenes",
     "Clip": "clips",
     "CLIP_KINDS": "clips",
     "make_clip": "clips",

@@ -279,6 +279,37 @@ def ask(scene: Scene, kind: str, rng: np.random.Generator) -> tuple[str, str] | 
     raise ValueError(f"unknown question kind {kind!r}; use one of {QUESTION_KINDS}")
 
 
+def describe_scene(objects) -> str:
+    """A caption of a scene: every object as "a <size> <colour> <shape>", in reading order (grid row, then column).
+
+    The caption names each object's attributes side by side, so a model that writes it must bind them per object:
+    the supervision LLaVA's first stage gets from captions (Liu et al., "Visual Instruction Tuning", 2023,
+    arXiv 2304.08485), here with one correct caption per scene.
+
+    >>> describe_scene(make_scene_qa(1, seed=0, split="test")[0].objects)
+    'a small yellow circle, a large cyan square, a large cyan triangle.'
+
+    Parameters
+    ----------
+    objects : sequence of SceneObject
+        A scene's objects (``Scene.objects`` or ``SceneQA.objects``), in any order.
+
+    Returns
+    -------
+    str
+        Objects joined by ", ", ending with ".".
+
+    Raises
+    ------
+    ValueError
+        For an empty ``objects``.
+    """
+    if not objects:
+        raise ValueError("a scene to describe needs at least one object")
+    ordered = sorted(objects, key=lambda o: o.cell)
+    return ", ".join(f"a {o.size} {o.colour} {o.shape}" for o in ordered) + "."
+
+
 def scene_questions(scene: Scene, per_scene: int = 1, *, kinds=QUESTION_KINDS, start: int = 0) -> list[SceneQA]:
     """``per_scene`` distinct questions about one scene, cycling through ``kinds``.
 
