@@ -21,7 +21,7 @@ import torch
 
 from mmaccel.data.scenes import make_scene_qa
 from mmaccel.models import load
-from mmaccel.models.train_smol_llava import INSTRUCTION, LORA_TARGETS
+from mmaccel.models.train_smol_llava import INSTRUCTION, LORA_TARGETS, first_word
 
 
 def prompt(qa, rng: random.Random) -> str:
@@ -43,8 +43,7 @@ def evaluate(model, tok, test) -> dict:
         enc = tok([prompt(q, random.Random(q.seed)) for q in qs], return_tensors="pt", padding=True)
         out = model.generate(**enc, max_new_tokens=3, do_sample=False)
         for q, o in zip(qs, out[:, enc.input_ids.shape[1]:]):
-            words = tok.decode(o, skip_special_tokens=True).split()
-            hits.setdefault(q.kind, []).append(bool(words) and words[0].strip(".").lower() == q.answer)
+            hits.setdefault(q.kind, []).append(first_word(tok.decode(o, skip_special_tokens=True)) == q.answer)
     model.train()
     every = [h for v in hits.values() for h in v]
     return {"accuracy": sum(every) / len(every), "n": len(every),

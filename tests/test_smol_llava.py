@@ -235,7 +235,7 @@ def test_caption_turn_ends_each_conversation_with_the_scene_description(built):
         assert [t for t in c.labels[len(p.labels):] if t != -100] == caption
         assert c.input_ids[-len(caption):] == caption
         asked = tok.decode(c.input_ids[len(p.input_ids):len(c.input_ids) - len(caption)])
-        assert tr.CAPTION_PROMPT in asked and text not in asked
+        assert tr.CAPTION_PROMPT in asked and tr.INSTRUCTION not in asked and text not in asked
     assert tr.build_parser().parse_args(["--caption"]).caption is True
 
 

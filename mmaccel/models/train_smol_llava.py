@@ -171,8 +171,7 @@ def encode_examples(processor, qas, *, turns: int = 1, caption: bool = False) ->
     if caption:
         from ..data.scenes import describe_scene
 
-        turn = tok.encode(f"\n<|im_start|>user\n{CAPTION_PROMPT}<|im_end|>\n<|im_start|>assistant\n",
-                          add_special_tokens=False)
+        turn = later_turn_ids(tok, CAPTION_PROMPT, instruction=None)
         for e in examples:
             text = describe_scene(objects[e.image])
             target = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
@@ -183,11 +182,12 @@ def encode_examples(processor, qas, *, turns: int = 1, caption: bool = False) ->
     return examples, images
 
 
-def later_turn_ids(tokenizer, question: str) -> list:
+def later_turn_ids(tokenizer, question: str, instruction: str | None = INSTRUCTION) -> list:
     """Token ids of a further user turn of a conversation (after an answer's EOS): ``<|im_start|>user``, the question
-    and :data:`INSTRUCTION`, ``<|im_end|>``, then ``<|im_start|>assistant``; the first turn is the chat template's."""
-    return tokenizer.encode(f"\n<|im_start|>user\n{question} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n",
-                            add_special_tokens=False)
+    and ``instruction`` (none when ``None``), ``<|im_end|>``, then ``<|im_start|>assistant``; the first turn is the
+    chat template's."""
+    text = question if instruction is None else f"{question} {instruction}"
+    return tokenizer.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
 
 
 def shuffle_turns(qas, seed: int) -> list:
