@@ -69,6 +69,7 @@ def decode_attention(
     num_splits: int | None = None,
     backend: str = "auto",
     check_indices: bool = True,
+    kernel_config=None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over a KV cache, reading only the selected tokens or pages.
 
@@ -105,6 +106,10 @@ def decode_attention(
         waits for every queued kernel; callers whose selection is in range by construction (a top-k over the
         cache's own pages) pass ``False``. Either way no kernel reads outside the cache: an out-of-range entry is
         skipped like ``-1``.
+    kernel_config : mmaccel.kernels.triton_kernels.DecodeKernelConfig, optional
+        Launch settings of the Triton kernel (``tl.dot`` or broadcast products, keys per step, warps, stages,
+        split scale); default ``DEFAULT_DECODE_CONFIG``, the setting measured fastest on an H200. Ignored by the
+        other backends.
 
     Returns
     -------
@@ -158,7 +163,7 @@ def decode_attention(
         idx32 = idx.to(torch.int32).contiguous() if idx is not None else None
         n = idx32.shape[2] if idx32 is not None else S
         splits = num_splits or _default_splits(n, B * Hkv, q.device)
-        out = decode_triton(q3, k_cache, v_cache, idx32, lens, scale, splits)
+        out = decode_triton(q3, k_cache, v_cache, idx32, lens, scale, splits, kernel_config)
     elif idx is None and backend == "auto":  # whole cache: SDPA with a length mask is the fast CPU path
         from .dense import attention
 

@@ -7,9 +7,11 @@ The prefill kernel follows FlashAttention-2 (Dao, 2023, arXiv 2307.08691) with a
 key tiles, as in Block-Sparse-Attention / MInference: tiles not in the list are never loaded or computed. Inside a
 visited tile the pattern's token rule (see :mod:`mmaccel.kernels.patterns`) masks individual pairs. The decode kernel
 is flash-decoding (Dao et al., 2023, "Flash-Decoding for long-context inference"): the selected keys are split over
-programs, each writes a partial output and log-sum-exp, and a small combine step merges them.
+programs, each writes a partial output and log-sum-exp, and a second small kernel merges them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -115,13 +117,34 @@ def sparse_prefill_triton(
     return out
 
 
+@dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Launch settings of the split-K decode kernel.
+
+    ``use_dot`` computes ``q @ k^T`` and ``p @ v`` with ``tl.dot`` (tensor cores for fp16/bf16 caches, IEEE fp32
+    for fp32 ones; the GQA group is padded to 16 rows) instead of broadcast products on CUDA cores; ``block_n`` is
+    the keys loaded per loop step; ``num_warps`` / ``num_stages`` are Triton's. ``splits_scale`` multiplies the
+    default number of split-K partitions. :data:`DEFAULT_DECODE_CONFIG` is the setting measured fastest on an H200
+    (``benchmarks/decode_kernel_sweep.py``); the CPU interpreter ignores warps and stages.
+    """
+
+    use_dot: bool = False
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    splits_scale: int = 1
+
+
+DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
+
+
 @triton.jit
 def _decode_split_fwd(
     Q, K, V, IDX, LENS, O_PART, LSE_PART,
     s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ib, s_ih, s_ob, s_oh, s_os, s_lb, s_lh,
     HI, QG, GROUP, N_IDX, S, CHUNK, scale,
     HAS_IDX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bi = tl.program_id(0)
     split = tl.program_id(1)
@@ -134,7 +157,11 @@ def _decode_split_fwd(
     g_ok = offs_g < QG
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + b * s_qb + (hq0 + offs_g)[:, None] * s_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if USE_DOT:
+        q = q.to(K.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
     n_valid = tl.load(LENS + b)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -149,8 +176,11 @@ def _decode_split_fwd(
             pos = offs_n
         ok = in_range & (pos >= 0) & (pos < n_valid) & (pos < S)
         k = tl.load(K + b * s_kb + hk * s_kh + pos[:, None] * s_kn + offs_d[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -158,8 +188,12 @@ def _decode_split_fwd(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + b * s_vb + hk * s_vh + pos[:, None] * s_vn + offs_d[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if USE_DOT:
+            pv = tl.dot(p.to(V.dtype.element_ty), v, input_precision=PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
@@ -168,24 +202,48 @@ def _decode_split_fwd(
     tl.store(LSE_PART + b * s_lb + (hq0 + offs_g) * s_lh + split, lse, mask=g_ok)
 
 
+@triton.jit
+def _combine_splits_fwd(O_PART, LSE_PART, OUT, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < SPLITS
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(LSE_PART + row * SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(s_ok, tl.exp(lse - m), 0.0)
+    denom = tl.sum(w, 0)
+    o = tl.load(O_PART + row * SPLITS * HEAD_DIM + offs_s[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(OUT + row * HEAD_DIM + offs_d, out, mask=d_ok)
+
+
 def decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor | None,
-    lens: torch.Tensor, scale: float, num_splits: int, block_n: int = 32,
+    lens: torch.Tensor, scale: float, num_splits: int, config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """Split-K decode; q [B, Hq, D]; caches [B, Hkv, S, D]; idx int32 [B, Hi, N] (Hi = Hkv or Hq) or None.
 
-    Returns fp32 [B, Hq, D] after the log-sum-exp combine of the splits.
+    ``num_splits`` is scaled by ``config.splits_scale`` (default :data:`DEFAULT_DECODE_CONFIG`). Returns fp32
+    [B, Hq, D] after the log-sum-exp combine of the splits (one Triton launch).
     """
+    cfg = config or DEFAULT_DECODE_CONFIG
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     Hi = idx.shape[1] if idx is not None else Hkv
     n_idx = idx.shape[2] if idx is not None else S
-    chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_idx, 1), num_splits), block_n) * block_n)
+    block_n = cfg.block_n
+    splits = max(1, min(num_splits * cfg.splits_scale, triton.cdiv(max(n_idx, 1), block_n)))
+    chunk = max(block_n, triton.cdiv(triton.cdiv(max(n_idx, 1), splits), block_n) * block_n)
     splits = max(1, triton.cdiv(n_idx, chunk))
     o_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     qg = Hq // Hi
     idx_arg = idx if idx is not None else lens  # unused pointer when HAS_IDX is False
+    block_d = triton.next_power_of_2(D)
     _decode_split_fwd[(B * Hi, splits)](
         q, k_cache, v_cache, idx_arg, lens, o_part, lse_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -193,16 +251,14 @@ def decode_triton(
         idx.stride(0) if idx is not None else 0, idx.stride(1) if idx is not None else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         Hi, qg, Hq // Hkv, n_idx, S, chunk, scale,
-        HAS_IDX=idx is not None, HEAD_DIM=D, BLOCK_G=max(1, triton.next_power_of_2(qg)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(D),
+        HAS_IDX=idx is not None, HEAD_DIM=D,
+        BLOCK_G=max(16 if cfg.use_dot else 1, triton.next_power_of_2(qg)), BLOCK_N=block_n,
+        BLOCK_D=max(16, block_d) if cfg.use_dot else block_d, USE_DOT=cfg.use_dot,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return combine_splits(o_part, lse_part)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    _combine_splits_fwd[(B * Hq,)](o_part, lse_part, out, splits, HEAD_DIM=D,
+                                   BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+    return out
 
-
-def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
-    """Merge partial outputs [..., S, D] with their log-sum-exps [..., S]; all-empty rows give zeros."""
-    m = lse_part.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse_part - m)
-    denom = w.sum(-1, keepdim=True)
-    return (o_part * w[..., None]).sum(-2) / torch.where(denom == 0, torch.ones_like(denom), denom)
