@@ -124,8 +124,10 @@ class DecodeKernelConfig:
     ``use_dot`` computes ``q @ k^T`` and ``p @ v`` with ``tl.dot`` (tensor cores for fp16/bf16 caches, IEEE fp32
     for fp32 ones; the GQA group is padded to 16 rows) instead of broadcast products on CUDA cores; ``block_n`` is
     the keys loaded per loop step; ``num_warps`` / ``num_stages`` are Triton's. ``splits_scale`` multiplies the
-    default number of split-K partitions. :data:`DEFAULT_DECODE_CONFIG` is the setting measured fastest on an H200
-    (``benchmarks/decode_kernel_sweep.py``); the CPU interpreter ignores warps and stages.
+    default number of split-K partitions. :data:`DEFAULT_DECODE_CONFIG` is the setting with the least mean slowdown
+    over six cases (whole cache, 2,048 tokens, 2,048 tokens in pages; 32k and 128k caches) among 72 swept on an H200
+    in bf16 (``benchmarks/decode_kernel_sweep.py``; ``benchmarks/results/gpu_h200/run2_2026-11-27``): 2.4-4x faster
+    than the broadcast-product setting over a whole cache. The CPU interpreter ignores warps and stages.
     """
 
     use_dot: bool = False
@@ -135,7 +137,7 @@ class DecodeKernelConfig:
     splits_scale: int = 1
 
 
-DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
+DEFAULT_DECODE_CONFIG = DecodeKernelConfig(use_dot=True, block_n=32, num_warps=4, num_stages=3, splits_scale=4)
 
 
 @triton.jit
