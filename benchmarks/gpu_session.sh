@@ -25,6 +25,11 @@
 #            path (issue 9)
 #   stage 4: smollm2-135m beyond its 8k training length (12k, 16k: full vs LongHeads), and 20 documents per
 #            budget at 4k (SnapKV, PyramidKV, Quest with and without its dense first layers)
+#   stage eagle_smoke: the EAGLE trainer end to end on micro-lm on CUDA (seconds; run it with .gpu1 carried)
+#   stage eagle: the smollm2-135m EAGLE head trained on the GPU with sampled answers beside the greedy ones
+#            (issue 11; run it right after eagle_smoke with .gpu2 carried). The head comes back in eagle_head.tgz;
+#            measure it here on the 2-core CPU, e.g. `mmaccel spec-bench --model smollm2-135m --packed-linear
+#            --methods eagle:k=3 eagle:head=DIR:k=3 --prompts free --threads 2`.
 # The NIAH rows that may compile per document length (FlexAttention sparse prefill) or need eager attention
 # scores (H2O) come last. Every step has its own time limit and the next runs whatever happened; records are
 # streamed to OUT as they come.
@@ -91,6 +96,23 @@ bars)
     --depths 0.1 0.3 0.5 0.7 0.9 --trials 4 --no-progress --out "$OUT/niah4k_budgets" --methods full \
     snapkv:ratio=0.1 snapkv:ratio=0.25 pyramidkv:ratio=0.1 pyramidkv:ratio=0.25 quest:ratio=0.25 \
     quest:ratio=0.19:group=max:page_size=8 quest:ratio=0.1:group=max:page_size=8
+  ;;
+eagle_smoke)
+  nvidia-smi --query-gpu=name,memory.total --format=csv
+  step 90 eagle_smoke $PY -c "
+import logging; logging.basicConfig(level=logging.INFO)
+from mmaccel.speculative.train_eagle import train
+train('/tmp/eagle_smoke', target='micro-lm', device='cuda', n_free=6, n_copy=2, max_new_tokens=6, gen_batch=4,
+      data_minutes=1, text_minutes=0.01, train_minutes=0.05, vocab=256, unroll=2, batch_size=2, max_len=96,
+      n_sampled=3, sample_minutes=1)"
+  ;;
+eagle)
+  fetch_model
+  step 480 eagle_train $PY -c "
+import logging; logging.basicConfig(level=logging.INFO)
+from mmaccel.speculative.train_eagle import train
+train('$OUT/eagle_head', device='cuda', gen_batch=256, data_minutes=1.5, text_minutes=0.5, n_sampled=8000,
+      sample_minutes=2.0, train_minutes=3.0, batch_size=32, eval_every=200)"
   ;;
 esac
 # At most 8 files come back: fold each output folder into one archive.

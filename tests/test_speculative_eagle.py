@@ -24,6 +24,7 @@ from mmaccel.speculative.train_eagle import (
     _batch,
     choose_vocab,
     generate_examples,
+    greedy_next,
     train,
     training_prompts,
     unrolled_loss,
@@ -168,6 +169,25 @@ def test_examples_carry_the_targets_features():
     assert vocab[0] == 2 and len(set(vocab)) == 10
 
 
+def test_sampled_answers_are_labelled_with_the_targets_argmax():
+    """Sampled answers (``temperature``) are not the target's greedy continuation, so each carries ``greedy``: the
+    target's argmax after every position, which is what the head is trained to predict."""
+    model, tok = mmaccel.load("micro-lm", device="cpu")
+    torch.manual_seed(0)
+    reqs = [("The secret number is", ""), ("The secret number is", "")]
+    ex = generate_examples(model, tok, reqs, max_new_tokens=8, batch_size=2, temperature=1.5)
+    sampled_off_greedy = 0
+    for e in ex:
+        with torch.no_grad():
+            logits = model(e["tokens"][None]).logits[0]
+        argmax = logits[: len(e["greedy"])].argmax(-1)
+        assert e["greedy"].tolist() == argmax.tolist()
+        a = e["answer_start"]
+        sampled_off_greedy += int((e["tokens"][a:] != argmax[a - 1:len(e["tokens"]) - 1]).sum())
+    assert sampled_off_greedy > 0  # the answers really were sampled
+    assert greedy_next(ex[0]) is ex[0]["greedy"]
+
+
 def test_training_learns_the_targets_next_tokens(tiny):
     """On the tiny target's own greedy answers, 60 steps take the 2-step draft accuracy from chance to (nearly) all
     right: the loss, the labels and the unroll's gradients line up (the tiny model's flat softmax keeps its CE high)."""
@@ -199,11 +219,13 @@ def test_train_writes_a_head_that_round_trips(tmp_path):
     """`train` on micro-lm with a seconds-long budget: the files, the card, and a lossless trained drafter."""
     summary = train(tmp_path, target="micro-lm", n_free=6, n_copy=2, max_new_tokens=6, gen_batch=4,
                     data_minutes=1, text_minutes=0.01, train_minutes=0.02, vocab=256, unroll=2, batch_size=2,
-                    max_len=96)
+                    max_len=96, n_sampled=3, sample_minutes=1)
     assert (tmp_path / "head.safetensors").is_file() and (tmp_path / "README.md").is_file()
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log["data"]["examples"] == 8 and log["train"]["steps"] >= 1
-    assert log["data"]["text_windows"] >= 1 and log["data"]["train_examples"] == 7 + log["data"]["text_windows"]
+    assert log["data"]["sampled_examples"] == 3 and log["recipe"]["n_sampled"] == 3
+    assert log["data"]["text_windows"] >= 1
+    assert log["data"]["train_examples"] == 7 + 3 + log["data"]["text_windows"]
     assert f"Teacher-forced text: {log['data']['text_windows']:,} windows" in (tmp_path / "README.md").read_text()
     assert 1.0 <= log["eval_after"]["mean_accepted_length"] <= 1 + len(log["eval_after"]["acc_chain"])
     assert summary["card"] == str(tmp_path / "README.md")

@@ -299,7 +299,7 @@ def save_head(head: EagleHead, folder) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=1) + "\n")
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": FORMAT})
     return folder
 

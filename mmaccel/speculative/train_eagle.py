@@ -152,7 +152,8 @@ def copy_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 @torch.inference_mode()
 def generate_examples(model, tokenizer, requests: list[tuple[str, str]], *, max_new_tokens: int = 96,
-                      batch_size: int = 32, deadline: float | None = None) -> list[dict]:
+                      batch_size: int = 32, deadline: float | None = None,
+                      temperature: float | None = None) -> list[dict]:
     """The target answers each request greedily (in its chat template when it has one; left-padded batches); its
     features are caught by a forward hook on its decoder.
 
@@ -161,6 +162,10 @@ def generate_examples(model, tokenizer, requests: list[tuple[str, str]], *, max_
     requests : list of (user text, answer lead)
     deadline : float, optional
         ``time.perf_counter()`` value after which no new batch starts.
+    temperature : float, optional
+        Sample the answers at this temperature instead of answering greedily (more distinct answers per prompt).
+        A sampled token is not the target's argmax, so such an example also stores ``greedy`` [n]: the argmax of
+        the target's LM head over its features at every position (as :func:`text_examples` does).
 
     Returns
     -------
@@ -188,9 +193,11 @@ def generate_examples(model, tokenizer, requests: list[tuple[str, str]], *, max_
             else:  # a base model (micro-lm): the layout of Spec-Bench's prompts without a template
                 texts = [f"{u}\n\n{lead}" if lead else f"{u}\n" for u, lead in batch]
             enc = tokenizer(texts, return_tensors="pt", padding=True,
-                            add_special_tokens=not getattr(tokenizer, "chat_template", None))
+                            add_special_tokens=not getattr(tokenizer, "chat_template", None)).to(model.device)
             caught.clear()
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature \
+                else {"do_sample": False}
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
             L = enc["input_ids"].shape[1]
             feats = torch.cat(caught, dim=1)  # [B, L + new - 1, H]: prompt, then one column per decoding step
             for i in range(len(batch)):
@@ -203,8 +210,12 @@ def generate_examples(model, tokenizer, requests: list[tuple[str, str]], *, max_
                         break
                 f = feats[i, n_pad:n_pad + end]
                 end = min(end, f.shape[0])  # the last token's feature is never computed (generation stopped there)
-                examples.append({"tokens": torch.tensor(toks[:end]), "features": f[:end].clone(),
-                                 "answer_start": L - n_pad})
+                ex = {"tokens": torch.tensor(toks[:end]), "features": f[:end].cpu().clone(), "answer_start": L - n_pad}
+                if temperature:
+                    with torch.no_grad():
+                        ex["greedy"] = model.get_output_embeddings()(f[:end].to(
+                            model.get_output_embeddings().weight.dtype)).argmax(-1).cpu()
+                examples.append(ex)
             logger.info("generated %d / %d", len(examples), len(requests))
     finally:
         handle.remove()
@@ -256,10 +267,11 @@ def greedy_next(example: dict) -> torch.Tensor:
     return out
 
 
-def _batch(examples, vocab_index, max_len):
+def _batch(examples, vocab_index, max_len, device=None):
     """Right-padded batch for head column ``i`` (input ``(f_i, t_{i+1})``, target ``f_{i+1}``): tokens [B, n],
     features [B, n, H], labels [B, n] (sub-vocabulary index of the target's greedy token after ``t_{i+1}``, i.e.
-    :func:`greedy_next` at ``i + 1``, or -100 where unknown or outside the sub-vocabulary), valid [B, n]."""
+    :func:`greedy_next` at ``i + 1``, or -100 where unknown or outside the sub-vocabulary), valid [B, n]; built on
+    the CPU (where the examples are kept), then moved to ``device``."""
     n = min(max(len(ex["tokens"]) for ex in examples), max_len)
     B, H = len(examples), examples[0]["features"].shape[1]
     feats = torch.zeros(B, n, H)
@@ -276,6 +288,8 @@ def _batch(examples, vocab_index, max_len):
     known = greedy[:, 1:] >= 0
     labels[:, :-1] = torch.where(known, vocab_index[greedy[:, 1:].clamp_min(0)], torch.full_like(greedy[:, 1:], -100))
     labels[~valid] = -100
+    if device is not None:
+        return toks.to(device), feats.to(device), labels.to(device), valid.to(device)
     return toks, feats, labels, valid
 
 
@@ -336,8 +350,9 @@ def unrolled_loss(head: EagleHead, embed, lm_weight, toks, feats, labels, valid,
     if noise:
         f_in = f_in + noise * scale * torch.randn_like(f_in)
     target, lab, ok = feats[:, 1:], labels[:, :m], valid[:, :m]
-    idx = torch.arange(m)
-    chain = torch.ones(B, m, dtype=torch.bool)
+    dev = feats.device
+    idx = torch.arange(m, device=dev)
+    chain = torch.ones(B, m, dtype=torch.bool, device=dev)
     loss = feats.new_zeros(())
     stats = []
     for s, out in enumerate(head.unroll(f_in, emb, steps), start=1):
@@ -345,7 +360,7 @@ def unrolled_loss(head: EagleHead, embed, lm_weight, toks, feats, labels, valid,
         reg = F.smooth_l1_loss(out[live] / scale, target[live] / scale) if live.any() else out.sum() * 0
         lab_s = torch.where(live, lab, torch.full_like(lab, -100))
         sel = lab_s >= 0
-        right = torch.zeros(B, m, dtype=torch.bool)
+        right = torch.zeros(B, m, dtype=torch.bool, device=dev)
         if sel.any():
             logits = head.logits(out[sel], lm_weight)
             ce = F.cross_entropy(logits, lab_s[sel])
@@ -353,7 +368,7 @@ def unrolled_loss(head: EagleHead, embed, lm_weight, toks, feats, labels, valid,
         else:
             ce = out.sum() * 0
         # column i at step s continues the chain that column i - 1 carried at step s - 1
-        before = chain if s == 1 else torch.cat([torch.zeros(B, 1, dtype=torch.bool), chain[:, :-1]], dim=1)
+        before = chain if s == 1 else torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=dev), chain[:, :-1]], dim=1)
         chain = before & right
         loss = loss + step_decay ** (s - 1) * (ce + reg)
         n_sel = int(sel.sum())
@@ -378,7 +393,7 @@ def evaluate(head, embed, lm_weight, examples, vocab_index, *, steps: int, scale
     head.eval()
     totals = [[0, 0, 0] for _ in range(steps)]  # right, chain right, n
     for b0 in range(0, len(examples), batch):
-        toks, feats, labels, valid = _batch(examples[b0:b0 + batch], vocab_index, max_len)
+        toks, feats, labels, valid = _batch(examples[b0:b0 + batch], vocab_index, max_len, device=lm_weight.device)
         _, st = unrolled_loss(head, embed, lm_weight, toks, feats, labels, valid, steps=steps, scale=scale)
         for s, row in enumerate(st):
             if row["n"]:
@@ -397,7 +412,8 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
           data_minutes: float = 25.0, train_minutes: float = 50.0, vocab: int = 8192, unroll: int = 3,
           lr: float = 1e-3, batch_size: int = 8, max_len: int = 384, noise: float = 0.05, holdout: float = 0.05,
           seed: int = 0, data_cache=None, init: str = "random", text_minutes: float = 8.0, text_cache=None,
-          weight_decay: float = 0.0, eval_every: int = 150) -> dict:
+          weight_decay: float = 0.0, eval_every: int = 150, n_sampled: int = 0, sample_minutes: float = 0.0,
+          temperature: float = 0.8) -> dict:
     """Generate the data, train the head, evaluate it, write it with a card (see the module docstring).
 
     Parameters
@@ -417,6 +433,11 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
         Budget of the teacher-forced stdlib text (:func:`text_examples`), minutes; ``text_cache`` as ``data_cache``.
     eval_every : int
         Evaluate on the held-out answers every this many steps and keep the best head (early stopping).
+    n_sampled, sample_minutes, temperature : int, float, float
+        Also train on up to ``n_sampled`` answers sampled at ``temperature`` (labelled with the target's argmax),
+        cycling over the requests of the *training* split, for at most ``sample_minutes``: more data than the
+        templates' ~2,050 distinct requests give greedily. Default off (the committed head's recipe); meant for a
+        GPU, where answering is cheap.
     init : {"last_layer", "random"}
         Start the head's layer from the target's last decoder layer, or from a random init.
 
@@ -450,6 +471,8 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
         t0 = time.perf_counter()
         examples = generate_examples(model, tok, reqs, max_new_tokens=max_new_tokens, batch_size=gen_batch,
                                      deadline=t0 + 60 * data_minutes)
+        for ex, req in zip(examples, reqs):  # generate_examples answers the requests in order
+            ex["request"] = list(req)
         data_s = time.perf_counter() - t0
         if data_cache is not None:
             torch.save({"examples": examples, "seconds": data_s}, data_cache)
@@ -471,7 +494,19 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
         text_s = time.perf_counter() - t0
         if text_cache is not None:
             torch.save({"examples": text, "seconds": text_s}, text_cache)
-    train_set = train_set + text  # held-out answers only in the evaluation
+    sampled, sampled_s = [], 0.0
+    if n_sampled > 0:
+        pool = [tuple(e["request"]) for e in train_set if "request" in e]
+        if not pool:
+            raise ValueError("n_sampled needs the requests of the training answers; this data_cache predates them: "
+                             "regenerate it (give a new data_cache path)")
+        reqs_s = [pool[i % len(pool)] for i in range(n_sampled)]
+        t0 = time.perf_counter()
+        sampled = generate_examples(model, tok, reqs_s, max_new_tokens=max_new_tokens, batch_size=gen_batch,
+                                    deadline=t0 + 60 * sample_minutes, temperature=temperature)
+        sampled_s = time.perf_counter() - t0
+        logger.info("sampled: %d answers at temperature %.2f in %.0f s", len(sampled), temperature, sampled_s)
+    train_set = train_set + sampled + text  # held-out greedy answers only in the evaluation
     V = int(model.config.vocab_size)
     eos = model.generation_config.eos_token_id
     vocab_ids = choose_vocab(train_set, vocab, V, always=eos if isinstance(eos, (list, tuple)) else [eos])
@@ -489,7 +524,9 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
     embed = model.get_input_embeddings()
     for p in model.parameters():
         p.requires_grad_(False)
-    lm_weight = model.get_output_embeddings().weight.detach()[torch.tensor(vocab_ids)].float().contiguous()
+    head.to(model.device)
+    lm_weight = model.get_output_embeddings().weight.detach()[torch.tensor(vocab_ids, device=model.device)]
+    lm_weight = lm_weight.float().contiguous()
     scale = float(torch.cat([e["features"] for e in train_set[:64]]).std())
 
     before = evaluate(head, embed, lm_weight, eval_set, vocab_index, steps=unroll, scale=scale, max_len=max_len)
@@ -514,7 +551,8 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
         for idx in batches:
             if time.perf_counter() - t0 >= budget:
                 break
-            toks, feats, labels, valid = _batch([train_set[j] for j in idx], vocab_index, max_len)
+            toks, feats, labels, valid = _batch([train_set[j] for j in idx], vocab_index, max_len,
+                                                device=lm_weight.device)
             if est_total is None and step == 10:
                 per = (time.perf_counter() - t0) / 10
                 est_total = max(20, int(budget / per))
@@ -559,12 +597,14 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
                    "data_minutes": data_minutes, "train_minutes": train_minutes, "vocab": vocab, "unroll": unroll,
                    "lr": lr, "batch_size": batch_size, "max_len": max_len, "noise": noise, "seed": seed,
                    "text_minutes": text_minutes, "weight_decay": weight_decay, "eval_every": eval_every,
+                   "n_sampled": n_sampled, "sample_minutes": sample_minutes, "temperature": temperature,
                    "init": ("random (PyTorch's default initialisation)" if init == "random" else
                             "the target's last decoder layer and final norm; fc = [N(0, 0.02) | identity]")},
         "data": {"examples": len(examples), "train_examples": len(train_set), "eval_examples": len(eval_set),
                  "tokens": n_tokens, "answer_tokens": n_answer, "seconds": round(data_s, 1),
                  "text_windows": len(text), "text_tokens": sum(len(e["tokens"]) for e in text),
-                 "text_seconds": round(text_s, 1)},
+                 "text_seconds": round(text_s, 1), "sampled_examples": len(sampled),
+                 "sampled_seconds": round(sampled_s, 1)},
         "vocab_coverage_eval_answers": coverage,
         "head_parameters": head_parameters(head), "head_bytes_fp16": expected_head_bytes(head),
         "train": {"steps": step, "epochs": epoch, "seconds": round(train_s, 1), "curve": curve,
