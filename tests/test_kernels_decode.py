@@ -121,6 +121,16 @@ def test_kernel_configs_agree_with_the_naive_attention(config, index_heads):
     torch.testing.assert_close(out, naive(q, k, v, keep), **TOL[torch.float32])
 
 
+def test_bf16_under_the_interpreter_matches_the_reference():
+    """The interpreter's bf16 ``tl.dot`` is wrong, so on the CPU a bf16 cache falls back to broadcast products: the
+    default setting still computes the attention."""
+    q, k, v = cache(1, 8, 2, 100, 32, torch.bfloat16, seed=2)
+    ref = decode_attention(q, k, v, backend="reference").float()
+    for config in (None, DOT):
+        out = decode_attention(q, k, v, backend="triton", kernel_config=config).float()
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DOT, DecodeKernelConfig(), DEFAULT_DECODE_CONFIG], ids=["dot", "sum", "default"])
 def test_gpu_bf16_long_cache_every_config(config):

@@ -1,7 +1,8 @@
 """Triton kernels: block-sparse flash attention forward and split-K decode over selected tokens.
 
 Both load in their input dtype and compute in fp32 (bf16 arithmetic is wrong in the Triton CPU interpreter), then
-cast on store. On the CPU they only run with ``TRITON_INTERPRET=1`` set before import (for tests).
+cast on store; the decode kernel's ``tl.dot`` setting multiplies fp16/bf16 inputs on tensor cores with fp32
+accumulation (on a GPU; under the interpreter bf16 falls back to fp32 broadcast products). On the CPU they only run with ``TRITON_INTERPRET=1`` set before import (for tests).
 
 The prefill kernel follows FlashAttention-2 (Dao, 2023, arXiv 2307.08691) with a per-(head, query tile) list of
 key tiles, as in Block-Sparse-Attention / MInference: tiles not in the list are never loaded or computed. Inside a
@@ -11,7 +12,7 @@ programs, each writes a partial output and log-sum-exp, and a second small kerne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -233,6 +234,8 @@ def decode_triton(
     [B, Hq, D] after the log-sum-exp combine of the splits (one Triton launch).
     """
     cfg = config or DEFAULT_DECODE_CONFIG
+    if cfg.use_dot and k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu":
+        cfg = replace(cfg, use_dot=False)  # the CPU interpreter's bf16 tl.dot is wrong; broadcast products are not
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     Hi = idx.shape[1] if idx is not None else Hkv
