@@ -638,6 +638,10 @@ def write_card(folder, summary: dict) -> Path:
     text_line = "" if not d.get("text_windows") else (
         f"\n- Teacher-forced text: {d['text_windows']:,} windows ({d['text_tokens']:,} tokens) of the *train* split of "
         f"the stdlib paragraphs,\n  read by the target in one forward each; the labels are its greedy next tokens there.")
+    if d.get("sampled_examples"):
+        text_line += (f"\n- Sampled answers: {d['sampled_examples']:,} more answers to requests of the training split, "
+                      f"sampled at temperature {r['temperature']};\n  labelled with the target's argmax at every "
+                      f"position.")
     text = f"""# {summary['name']}: an EAGLE draft head for `{summary['target']}`
 
 A one-layer feature-level draft head (EAGLE, arXiv 2401.15077) for speculative decoding of `{summary['target']}`,
@@ -650,9 +654,10 @@ draft token. Only the head's own weights are here ({summary['head_parameters']:,
 ## How it was made
 
 - Command: `{summary['command']}` ({summary['threads']} threads, device `{summary['device']}`, {platform.machine()}).
-  Time: {(d['seconds'] + d.get('text_seconds', 0) + t['seconds']) / 60:.1f} min = answers {d['seconds'] / 60:.1f} min
-  + teacher-forced text {d.get('text_seconds', 0) / 60:.1f} min + training {t['seconds'] / 60:.1f} min (evaluation and
-  loading not counted).{(chr(10) + '- ' + summary['how']) if summary.get('how') else ''}
+  Time: {(d['seconds'] + d.get('text_seconds', 0) + d.get('sampled_seconds', 0) + t['seconds']) / 60:.1f} min =
+  answers {d['seconds'] / 60:.1f} min + teacher-forced text {d.get('text_seconds', 0) / 60:.1f} min + sampled answers
+  {d.get('sampled_seconds', 0) / 60:.1f} min + training {t['seconds'] / 60:.1f} min (evaluation and loading not
+  counted).{(chr(10) + '- ' + summary['how']) if summary.get('how') else ''}
 - Data (self-distillation, Medusa/EAGLE): the target answers {d['examples']:,} requests greedily in its chat template,
   {r['max_new_tokens']} new tokens at most -- templated chat requests (none of them a Spec-Bench prompt) and copy tasks
   on the *train* split of the stdlib paragraphs (Spec-Bench's copy prompts use the held-out split). {d['tokens']:,}
