@@ -15,6 +15,7 @@ one with the least mean slowdown against each case's fastest (the candidate for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                    **kw), device, args.warmup, args.repeats)
                     emit({"S": S, "case": case, "impl": "reference", "ms": t_ref})
                 for cfg in configs:
-                    row = {"S": S, "case": case, "impl": "triton", "config": cfg.__dict__,
+                    row = {"S": S, "case": case, "impl": "triton", "config": dataclasses.asdict(cfg),
                            "default": cfg == DEFAULT_DECODE_CONFIG}
                     try:
                         def run(cfg=cfg, kw=kw):

@@ -108,8 +108,8 @@ def decode_attention(
         skipped like ``-1``.
     kernel_config : mmaccel.kernels.triton_kernels.DecodeKernelConfig, optional
         Launch settings of the Triton kernel (``tl.dot`` or broadcast products, keys per step, warps, stages,
-        split scale); default ``DEFAULT_DECODE_CONFIG``, the setting measured fastest on an H200. Ignored by the
-        other backends.
+        split scale); default ``DEFAULT_DECODE_CONFIG``, the swept setting with the least mean slowdown on an H200.
+        Ignored by the other backends.
 
     Returns
     -------

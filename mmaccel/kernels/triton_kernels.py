@@ -2,7 +2,8 @@
 
 Both load in their input dtype and compute in fp32 (bf16 arithmetic is wrong in the Triton CPU interpreter), then
 cast on store; the decode kernel's ``tl.dot`` setting multiplies fp16/bf16 inputs on tensor cores with fp32
-accumulation (on a GPU; under the interpreter bf16 falls back to fp32 broadcast products). On the CPU they only run with ``TRITON_INTERPRET=1`` set before import (for tests).
+accumulation (on a GPU; under the interpreter bf16 falls back to fp32 broadcast products). On the CPU they only run
+with ``TRITON_INTERPRET=1`` set before import (for tests).
 
 The prefill kernel follows FlashAttention-2 (Dao, 2023, arXiv 2307.08691) with a per-(head, query tile) list of
 key tiles, as in Block-Sparse-Attention / MInference: tiles not in the list are never loaded or computed. Inside a
