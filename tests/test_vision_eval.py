@@ -13,7 +13,7 @@ from test_smol_llava import parts  # noqa: F401 - the tiny Dinov2 / Llama parts 
 from mmaccel.cli import main
 from mmaccel.data.scenes import make_scene_qa
 from mmaccel.eval.video_niah import summarize_video, video_niah
-from mmaccel.eval.vision_sweep import BASELINE, PrefillCost, vision_sweep
+from mmaccel.eval.vision_sweep import BASELINE, PrefillCost, summarize_sweep, sweep_table, vision_sweep
 from mmaccel.eval.visual import VisualConfig, parse_visual_config
 from mmaccel.kernels.hf import hooked_cache
 from mmaccel.models import smol_llava as sl
@@ -88,7 +88,7 @@ def test_vision_sweep_writes_records_summary_and_plot(sweep):
     assert summary["config"]["budgets"] == [1.0, 0.25]
     cell_keys = {"label", "method", "budget", "accuracy", "n", "failed", "error", "median_visual_tokens_kept",
                  "kept_ratio", "median_vision_encoder_s", "median_prefill_s", "median_ttft_s", "median_decode_s",
-                 "prefill_speedup", "ttft_speedup", "flops_ratio", "agreement", "by_kind"}
+                 "prefill_speedup", "ttft_speedup", "flops_ratio", "agreement", "by_kind", "accuracy_se", "vs_pooling"}
     assert all(cell_keys <= set(c) for c in summary["cells"])
     base = summary["baseline"]
     assert base["n"] == 2 and base["failed"] == 0 and base["visual_tokens"] == PER_IMAGE
@@ -175,7 +175,8 @@ def test_vision_sweep_cli(capsys, vlm_dir, tmp_path):
     assert rc == 0, err
     table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")]
     assert [row[0].strip("| ") for row in table[1:]] == [BASELINE, "pooling", "pooling"]
-    assert table[1][3] == table[2][3] == f"{PER_IMAGE}" and table[3][3] == "16"  # 0.5 of 6 x 6 pools to 4 x 4
+    assert table[0][4] == "visual tokens kept"
+    assert table[1][4] == table[2][4] == f"{PER_IMAGE}" and table[3][4] == "16"  # 0.5 of 6 x 6 pools to 4 x 4
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
     assert _is_png(tmp_path / "accuracy_vs_budget.png")
 
@@ -416,3 +417,30 @@ def test_sweep_refuses_unsupported_methods_before_any_run(vlm):
         vision_sweep(model, processor, ["tome:r=4"], [0.5], n=1, progress=False)
     with pytest.raises(ValueError, match="vision-language model with a processor"):
         vision_sweep(model, processor.tokenizer, ["pooling"], [0.5], n=1, progress=False)
+
+
+def _sweep_row(cell, budget, q, correct, status="ok"):
+    label = BASELINE if cell == BASELINE else f"{cell}:keep_ratio={budget:g}"
+    return {"method": label, "status": status, "error": None if status == "ok" else "boom",
+            "visual_tokens_kept": 4, "vision_encoder_s": 0.1, "prefill_s": 0.2, "ttft_s": 0.3, "decode_s": 0.1,
+            "extra": {"cell": cell, "budget": budget, "question_index": q, "kind": "colour", "correct": correct,
+                      "visual_tokens_input": 16, "flops_ratio": 0.5, "same_as_baseline": True}}
+
+
+def test_summary_pairs_each_cell_with_pooling_at_its_budget_and_gives_a_standard_error():
+    # 4 questions; pooling@0.5 right on q0, q1; visionzip@0.5 right on q1, q2, q3 (q3 failed for pooling)
+    records = [_sweep_row(BASELINE, 1.0, q, True) for q in range(4)]
+    records += [_sweep_row("pooling", 0.5, q, q in (0, 1), status="failed" if q == 3 else "ok") for q in range(4)]
+    records += [_sweep_row("visionzip", 0.5, q, q in (1, 2, 3)) for q in range(4)]
+    records += [_sweep_row("visionzip", 0.25, q, True) for q in range(4)]  # no pooling cell at 0.25
+    summary = summarize_sweep(records)
+    cells = {c["label"]: c for c in summary["cells"]}
+    # paired over q0..q2 only (q3 has no successful pooling run): won q2, lost q0
+    assert cells["visionzip:keep_ratio=0.5"]["vs_pooling"] == {"won": 1, "lost": 1}
+    assert cells["pooling:keep_ratio=0.5"]["vs_pooling"] is None
+    assert cells["visionzip:keep_ratio=0.25"]["vs_pooling"] is None
+    assert cells["visionzip:keep_ratio=0.5"]["accuracy_se"] == pytest.approx((0.75 * 0.25 / 4) ** 0.5)
+    assert cells["pooling:keep_ratio=0.5"]["accuracy_se"] == pytest.approx((2 / 3 * 1 / 3 / 3) ** 0.5)
+    assert summary["baseline"]["accuracy_se"] == 0.0
+    table = sweep_table(summary)
+    assert "| visionzip | 0.5 | 75.0% ± 21.7 | 75% |" in table and "| 1/1 | 0 |" in table

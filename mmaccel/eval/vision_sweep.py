@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ from .visual import chat_inputs, check_vlm_processor, image_token_count, score
 logger = logging.getLogger(__name__)
 
 BASELINE = "baseline"
+#: the plain downsampling baseline every sweep includes
+POOLING = "pooling"
 """Label of the full-token run every cell is compared with."""
 DEFAULT_METHODS = ("pooling", "visionzip", "fastv")
 DEFAULT_BUDGETS = (1.0, 0.5, 0.25, 0.1)
@@ -123,8 +126,8 @@ def build_cells(methods: Sequence, budgets: Sequence[float]) -> list[Cell]:
         raise ValueError("a sweep needs at least one method and one budget, e.g. methods=['pooling'], budgets=[0.5]")
     budgets = [check_budget(b) for b in budgets]
     names = [m.name if isinstance(m, VisionTokenMethod) else parse_method_spec(m).name for m in methods]
-    if "pooling" not in names:
-        methods, names = ["pooling", *methods], ["pooling", *names]
+    if POOLING not in names:
+        methods, names = [POOLING, *methods], [POOLING, *names]
     cells = []
     for method, name in zip(methods, names):
         if isinstance(method, VisionTokenMethod):
@@ -360,11 +363,22 @@ def _ratio(num, den) -> float | None:
     return num / den if num is not None and den else None
 
 
+def _paired(rows: list[dict], other: list[dict]) -> dict:
+    """``{"won", "lost"}``: questions answered right by ``rows`` and wrong by ``other``, and the reverse, over the
+    questions both ran successfully (the counts an exact McNemar test takes)."""
+    theirs = {r["extra"]["question_index"]: r["extra"]["correct"] for r in other if r["status"] == "ok"}
+    pairs = [(r["extra"]["correct"], theirs[r["extra"]["question_index"]]) for r in rows
+             if r["status"] == "ok" and r["extra"]["question_index"] in theirs]
+    return {"won": sum(1 for a, b in pairs if a and not b), "lost": sum(1 for a, b in pairs if b and not a)}
+
+
 def summarize_sweep(records: list[dict]) -> dict:
     """Aggregate sweep records: the baseline, then each (method, budget) cell in order of appearance.
 
-    Accuracy is over successful runs (``None`` where every run failed); failed runs are counted in ``failed`` and
-    the first error is kept. Speedups are the baseline's median seconds over the cell's (> 1 = faster).
+    Accuracy is over successful runs (``None`` where every run failed), with its binomial standard error
+    ``accuracy_se``; failed runs are counted in ``failed`` and the first error is kept. Speedups are the baseline's
+    median seconds over the cell's (> 1 = faster). ``vs_pooling`` pairs each cell with the pooling cell of the same
+    budget question by question (``None`` for pooling itself, or when the sweep has no such cell).
 
     Returns
     -------
@@ -377,27 +391,35 @@ def summarize_sweep(records: list[dict]) -> dict:
     def stats(rows):
         ok = [r for r in rows if r["status"] == "ok"]
         kinds = sorted({r["extra"]["kind"] for r in rows})
-        return {"accuracy": _accuracy(rows), "n": len(ok), "failed": len(rows) - len(ok),
+        acc = _accuracy(rows)
+        return {"accuracy": acc, "accuracy_se": None if acc is None else math.sqrt(acc * (1 - acc) / len(ok)),
+                "n": len(ok), "failed": len(rows) - len(ok),
                 "visual_tokens": median_or_none([r["extra"]["visual_tokens_input"] for r in rows]),
                 **_medians(rows),
                 "by_kind": {k: _accuracy([r for r in rows if r["extra"]["kind"] == k]) for k in kinds}}
 
     base = stats([r for r in records if r["extra"]["cell"] == BASELINE])
     cells = []
+    pooling = {}
+    for r in records:
+        if r["extra"]["cell"] == POOLING:
+            pooling.setdefault(r["extra"]["budget"], []).append(r)
     for label in dict.fromkeys(r["method"] for r in records if r["extra"]["cell"] != BASELINE):
         rows = [r for r in records if r["method"] == label]
+        method, budget = rows[0]["extra"]["cell"], rows[0]["extra"]["budget"]
         ok = [r for r in rows if r["status"] == "ok"]
         s = stats(rows)
         kept = median_or_none([r["visual_tokens_kept"] for r in ok])
         same = [r["extra"]["same_as_baseline"] for r in ok if r["extra"]["same_as_baseline"] is not None]
         cells.append({
-            "label": label, "method": rows[0]["extra"]["cell"], "budget": rows[0]["extra"]["budget"], **s,
+            "label": label, "method": method, "budget": budget, **s,
             "error": next((r["error"] for r in rows if r["status"] != "ok"), None),
             "median_visual_tokens_kept": kept, "kept_ratio": _ratio(kept, s["visual_tokens"]),
             "prefill_speedup": _ratio(base["median_prefill_s"], s["median_prefill_s"]),
             "ttft_speedup": _ratio(base["median_ttft_s"], s["median_ttft_s"]),
             "flops_ratio": median_or_none([r["extra"]["flops_ratio"] for r in ok]),
             "agreement": sum(same) / len(same) if same else None,
+            "vs_pooling": None if method == POOLING or budget not in pooling else _paired(rows, pooling[budget]),
         })
     return {"baseline": base, "cells": cells}
 
@@ -446,25 +468,34 @@ def plot_sweep(summary: dict, path) -> Path:
 
 
 def sweep_table(summary: dict) -> str:
-    """Markdown: per cell the accuracy, kept visual tokens, prefill seconds and speedup, FLOPs ratio, agreement."""
+    """Markdown: per cell the accuracy (± one standard error), its share of the baseline's, kept visual tokens,
+    prefill seconds and speedup, FLOPs ratio, agreement with the baseline, and the paired count against pooling at
+    the same budget (won/lost)."""
     def pct(v):
         return "-" if v is None else f"{100 * v:.1f}%"
 
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    def acc(c):
+        se = c.get("accuracy_se")
+        return pct(c["accuracy"]) + ("" if se is None else f" ± {100 * se:.1f}")
+
     b = summary["baseline"]
-    lines = [("| method | budget | accuracy | visual tokens kept | prefill (s) | prefill speedup | FLOPs ratio | "
-              "same as baseline | failed |"), "|" + "---|" * 9,
-             (f"| {BASELINE} | 1 | {pct(b['accuracy'])} | {b['visual_tokens']} | "
-              f"{num(b['median_prefill_s'], '.4f')} | 1.00x | 1.000 | - | {b['failed']} |")]
+    share = (lambda c: "-" if c["accuracy"] is None or not b["accuracy"] else f"{c['accuracy'] / b['accuracy']:.0%}")
+    lines = [("| method | budget | accuracy | share of baseline | visual tokens kept | prefill (s) | prefill speedup | "
+              "FLOPs ratio | same as baseline | vs pooling (won/lost) | failed |"), "|" + "---|" * 11,
+             (f"| {BASELINE} | 1 | {acc(b)} | 100% | {b['visual_tokens']} | "
+              f"{num(b['median_prefill_s'], '.4f')} | 1.00x | 1.000 | - | - | {b['failed']} |")]
     for c in summary["cells"]:
-        lines.append(f"| {c['method']} | {c['budget']:g} | {pct(c['accuracy'])} | "
+        vs = c.get("vs_pooling")
+        vs = "-" if vs is None else f"{vs['won']}/{vs['lost']}"
+        lines.append(f"| {c['method']} | {c['budget']:g} | {acc(c)} | {share(c)} | "
                      f"{num(c['median_visual_tokens_kept'], 'g')} | {num(c['median_prefill_s'], '.4f')} | "
                      f"{num(c['prefill_speedup'], '.2f')}x | {num(c['flops_ratio'], '.3f')} | "
-                     f"{pct(c['agreement'])} | {c['failed']} |")
+                     f"{pct(c['agreement'])} | {vs} | {c['failed']} |")
     return "\n".join(lines)
 
 
-__all__ = ["BASELINE", "Cell", "PrefillCost", "VisionSweepResult", "build_cells", "check_budget", "plot_sweep",
+__all__ = ["BASELINE", "POOLING", "Cell", "PrefillCost", "VisionSweepResult", "build_cells", "check_budget", "plot_sweep",
            "summarize_sweep", "sweep_table", "vision_sweep"]
