@@ -77,3 +77,19 @@ def attend(
     out = out / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = torch.where(denom[..., 0] > 0, m[..., 0] + torch.log(denom[..., 0]), float("-inf"))
     return out, lse
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` before a timestamp: ``torch.cuda.synchronize`` on a CUDA device, a no-op
+    on the CPU (and for ``None``).
+
+    Parameters
+    ----------
+    device : torch.device, str or None
+        The device whose queue to drain (``"cuda:0"``, ``torch.device("cpu")``, ...).
+    """
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
