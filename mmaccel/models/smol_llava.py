@@ -27,7 +27,8 @@ feature to one input embedding of the LM. Only the projector is trained (LLaVA's
   shortest edge to 168 px and center-crop 168 x 168 (ImageNet mean/std), padding on the left, and a ChatML chat
   template with no default system prompt that writes ``<image>`` where the user turn holds an image.
 - **Projector.** ``LlavaMultiModalProjector`` initialised from a seeded generator (weights N(0, 0.02), biases 0),
-  or loaded from ``projector.safetensors`` (:func:`save_projector` / :func:`load_projector`).
+  or loaded from ``projector.safetensors`` (:func:`save_projector` / :func:`load_projector`). The file may store
+  float32, bfloat16 or float16 tensors (the committed ones are bfloat16); a load casts them to the model's dtype.
 - **LoRA adapters** (optional; Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021, arXiv
   2106.09685). The same file may hold low-rank updates of the LM's linear layers (``lora.<module>.A`` [r, in] and
   ``lora.<module>.B`` [out, r], the scale ``alpha / r`` in its metadata), trained with ``peft`` by
@@ -53,6 +54,8 @@ IMAGE_TOKEN = "<image>"
 PROJECTOR_FILE = "projector.safetensors"
 _FORMAT = "mmaccel-llava-projector-v1"
 _LORA = "lora."  # key prefix of the LM adapters stored beside the projector
+#: The dtypes a projector file may store (:func:`save_projector`'s ``save_dtype``); a load casts to the model's.
+SAVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: ChatML (SmolLM2's format) without SmolLM2's default system prompt; an ``{"type": "image"}`` item becomes
 #: ``<image>`` followed by a newline, which the processor expands to the image's visual tokens.
@@ -360,8 +363,8 @@ def projector_of(model) -> nn.Module:
 
 
 def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe: BuildRecipe = BuildRecipe(),
-                   lora: dict | None = None) -> Path:
-    """Write the projector's weights (float32 safetensors) with the build recipe and the parts in its metadata.
+                   lora: dict | None = None, save_dtype: torch.dtype = torch.float32) -> Path:
+    """Write the projector's weights (safetensors) with the build recipe and the parts in its metadata.
 
     Parameters
     ----------
@@ -375,22 +378,32 @@ def save_projector(model, path: str | Path, *, parts: dict | None = None, recipe
     lora : dict, optional
         LM adapters to store beside the projector (:func:`lora_state`): ``{"scale": float, "rank": int, "alpha":
         float, "modules": {LM module name: (A [r, in], B [out, r])}}``.
+    save_dtype : torch.dtype
+        The stored dtype of every tensor, one of :data:`SAVE_DTYPES` (default float32: 4 bytes per parameter;
+        bfloat16 or float16 halve the file). :func:`load_projector` and :func:`merge_lora` cast back on load.
 
     Returns
     -------
     Path
         ``path``.
+
+    Raises
+    ------
+    ValueError
+        If ``save_dtype`` is not one of :data:`SAVE_DTYPES` (raised before anything is written).
     """
     from safetensors.torch import save_file
 
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype must be one of {', '.join(map(str, SAVE_DTYPES))}; got {save_dtype!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in projector_of(model).state_dict().items()}
+    tensors = {k: v.detach().to(save_dtype).contiguous().cpu() for k, v in projector_of(model).state_dict().items()}
     meta = {"format": _FORMAT, "recipe": recipe.to_json(), "parts": json.dumps(parts or {}, sort_keys=True)}
     if lora:
         for name, (a, b) in lora["modules"].items():
-            tensors[f"{_LORA}{name}.A"] = a.detach().to(torch.float32).contiguous().cpu()
-            tensors[f"{_LORA}{name}.B"] = b.detach().to(torch.float32).contiguous().cpu()
+            tensors[f"{_LORA}{name}.A"] = a.detach().to(save_dtype).contiguous().cpu()
+            tensors[f"{_LORA}{name}.B"] = b.detach().to(save_dtype).contiguous().cpu()
         meta["lora"] = json.dumps({k: lora[k] for k in ("scale", "rank", "alpha")}, sort_keys=True)
     save_file(tensors, str(path), metadata=meta)
     return path
@@ -437,7 +450,8 @@ def read_lora(path: str | Path) -> dict | None:
     Returns
     -------
     dict or None
-        ``{"scale", "rank", "alpha", "modules": {LM module name: (A [r, in], B [out, r])}}``, float32 tensors.
+        ``{"scale", "rank", "alpha", "modules": {LM module name: (A [r, in], B [out, r])}}``, float32 tensors (cast
+        from the stored dtype, see :data:`SAVE_DTYPES`).
 
     Raises
     ------
@@ -577,21 +591,28 @@ def read_projector_parts(path: str | Path) -> dict:
 
 
 def load_projector(model, path: str | Path) -> None:
-    """Load projector weights written by :func:`save_projector` into ``model`` (cast to the model's dtype).
+    """Load projector weights written by :func:`save_projector` into ``model``.
+
+    The stored tensors (float32, bfloat16 or float16, :data:`SAVE_DTYPES`) are cast to the dtype and device of the
+    model's projector before they are copied in, so a bfloat16 file loads into a float32 model as float32 weights.
 
     Raises
     ------
     FileNotFoundError
         If the file does not exist.
     ValueError
-        If it is not a projector file, or its tensors' names or shapes differ from the model's projector (it was
-        trained for other parts).
+        If it is not a projector file, a tensor's dtype is not one of :data:`SAVE_DTYPES`, or its tensors' names or
+        shapes differ from the model's projector (it was trained for other parts).
     """
     from safetensors.torch import load_file
 
     _metadata(path)
     proj = projector_of(model)
     state = {k: v for k, v in load_file(str(path)).items() if not k.startswith(_LORA)}
+    odd = {k: str(v.dtype) for k, v in state.items() if v.dtype not in SAVE_DTYPES}
+    if odd:
+        raise ValueError(f"{path} stores tensors of a dtype a projector cannot hold ({odd}); expected one of "
+                         f"{', '.join(map(str, SAVE_DTYPES))}: rewrite it with save_projector")
     mine = proj.state_dict()
     bad = sorted(set(state) ^ set(mine)) or [k for k in mine if tuple(state[k].shape) != tuple(mine[k].shape)]
     if bad:

@@ -292,14 +292,40 @@ def head_dir(name_or_path) -> Path:
                      f"or in the zoo (trained heads: {', '.join(shipped)}); {_FIX}")
 
 
-def save_head(head: EagleHead, folder) -> Path:
-    """Write ``config.json`` and ``head.safetensors`` (fp16, the head's own weights only) into ``folder``."""
+#: The dtypes ``head.safetensors`` may store (:func:`save_head`'s ``save_dtype``); :func:`load_head` casts them.
+SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def save_head(head: EagleHead, folder, *, save_dtype: torch.dtype = torch.float16) -> Path:
+    """Write ``config.json`` and ``head.safetensors`` (the head's own weights only) into ``folder``.
+
+    Parameters
+    ----------
+    head : EagleHead
+    folder : path
+        Created if missing; its two files are overwritten.
+    save_dtype : torch.dtype
+        The stored dtype of the weights, one of :data:`SAVE_DTYPES` (default float16: 2 bytes per parameter, what
+        the committed ``smollm2-135m-eagle`` stores). :func:`load_head` casts back to the dtype asked for.
+
+    Returns
+    -------
+    Path
+        ``folder``.
+
+    Raises
+    ------
+    ValueError
+        If ``save_dtype`` is not one of :data:`SAVE_DTYPES` (raised before anything is written).
+    """
     from safetensors.torch import save_file
 
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype must be one of {', '.join(map(str, SAVE_DTYPES))}; got {save_dtype!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=1) + "\n")
-    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to("cpu", save_dtype).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": FORMAT})
     return folder
 
@@ -307,10 +333,13 @@ def save_head(head: EagleHead, folder) -> Path:
 def load_head(name_or_path, dtype=torch.float32, device="cpu") -> EagleHead:
     """Load a trained head (see :func:`head_dir`) in ``dtype`` on ``device``.
 
+    The stored weights (any of :data:`SAVE_DTYPES`; the committed head stores float16) are cast to ``dtype`` as
+    they are loaded: every parameter of the returned head is ``dtype``.
+
     Raises
     ------
     ValueError
-        Unknown name or path, or a file of another format.
+        Unknown name or path, a file of another format, or weights of a dtype not in :data:`SAVE_DTYPES`.
     """
     from safetensors.torch import load_file
 
@@ -318,9 +347,14 @@ def load_head(name_or_path, dtype=torch.float32, device="cpu") -> EagleHead:
     raw = json.loads((folder / CONFIG_FILE).read_text())
     if raw.get("format") != FORMAT:
         raise ValueError(f"{folder / CONFIG_FILE} is not an EAGLE head ({raw.get('format')!r}, expected {FORMAT!r})")
-    head = EagleHead(EagleHeadConfig(**raw))
-    head.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
-    return head.to(device=device, dtype=dtype).eval()
+    state = load_file(str(folder / WEIGHTS_FILE))
+    odd = {k: str(v.dtype) for k, v in state.items() if v.dtype not in SAVE_DTYPES}
+    if odd:
+        raise ValueError(f"{folder / WEIGHTS_FILE} stores weights of a dtype a head cannot hold ({odd}); expected one "
+                         f"of {', '.join(map(str, SAVE_DTYPES))}: rewrite it with save_head")
+    head = EagleHead(EagleHeadConfig(**raw)).to(device=device, dtype=dtype)
+    head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+    return head.eval()
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -517,6 +551,7 @@ __all__ = [
     "HeadCache",
     "expected_head_bytes",
     "head_dir",
+    "SAVE_DTYPES",
     "head_parameters",
     "load_head",
     "save_head",
