@@ -170,7 +170,7 @@ class TokenStream:
         self.max_new_tokens, self.interval = int(max_new_tokens), float(interval)
 
     def _run(self, shared: _Shared) -> None:
-        from mmaccel.eval.generation import generation_kwargs, runner_for
+        from mmaccel.pipeline import generation_kwargs, runner_for
 
         gen_kwargs = generation_kwargs(self.model, self.tokenizer, 0.0)
         method = self.method

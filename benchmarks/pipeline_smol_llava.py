@@ -1,5 +1,5 @@
 """The composed pipeline on ``smol-llava``: a visual-token method, a KV policy and speculative decoding, each alone
-and all together, on the same prompts, through :meth:`mmaccel.Pipeline.compare_pieces` (one measured path).
+and all together, on the same prompts, through :func:`mmaccel.eval.compare_pieces` (one measured path).
 
 Two settings:
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import mmaccel
+from mmaccel.eval import compare_pieces
 from mmaccel.data.scenes import make_scene_qa
 
 SENTENCES = (
@@ -54,7 +55,7 @@ def run_setting(model, processor, pieces: dict, items: list, *, max_new_tokens: 
         text = processor.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
             add_generation_prompt=True, tokenize=False)
-        comparison = pipe.compare_pieces(text, images=image, max_new_tokens=max_new_tokens, repeats=repeats)
+        comparison = compare_pieces(pipe, text, images=image, max_new_tokens=max_new_tokens, repeats=repeats)
         plain = comparison.records[0]
         for record in comparison.records:
             row = rows.setdefault(record.method, {"same_as_plain": 0, "failed": 0, "n": 0, "vision_encoder_s": [],

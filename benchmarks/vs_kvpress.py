@@ -756,7 +756,7 @@ def driver_main(args) -> dict:
     import torch
 
     import mmaccel.eval.memory
-    from mmaccel.eval.generation import generation_kwargs, resolve_methods
+    from mmaccel.pipeline import generation_kwargs, resolve_methods
     from mmaccel.models import load, resolve_model_path
 
     torch.set_num_threads(args.threads)

@@ -7,6 +7,7 @@ longctx        KV-cache policies and sparse long-context attention (StreamingLLM
 vision_tokens  visual-token pruning and merging
 speculative    draft-and-verify decoding
 models         model loading and the offline micro-model zoo
+pipeline       composition: specs resolved once, composition rules, runners, Pipeline
 eval           measured generation, NIAH, comparisons
 """
 
@@ -28,13 +29,13 @@ def compare(*args, **kwargs):
 
 
 def __getattr__(name):
-    """``mmaccel.Pipeline`` (:class:`mmaccel.pipeline.Pipeline`), imported on first use so ``import mmaccel`` stays
-    light (no torch) for the CLI."""
-    if name == "Pipeline":
-        from .pipeline import Pipeline
+    """``mmaccel.Pipeline`` and ``mmaccel.compose`` (:mod:`mmaccel.pipeline`), imported on first use so
+    ``import mmaccel`` stays light (no torch) for the CLI."""
+    if name in ("Pipeline", "compose"):
+        from . import pipeline
 
-        return Pipeline
+        return getattr(pipeline, name)
     raise AttributeError(f"module 'mmaccel' has no attribute {name!r}")
 
 
-__all__ = ["Pipeline", "__version__", "compare", "load"]
+__all__ = ["Pipeline", "__version__", "compare", "compose", "load"]

@@ -729,7 +729,7 @@ def cmd_kernel_bench(args) -> int:
 def cmd_spec_bench(args) -> int:
     """``mmaccel spec-bench``: speculative methods vs autoregressive decoding on free and copy-heavy prompts; prints
     the table, writes ``results.jsonl`` and ``summary.json`` (:func:`mmaccel.eval.specbench.run_spec_bench`)."""
-    from .eval.generation import resolve_methods
+    from .pipeline import resolve_methods
     from .eval.haystack import resolve_chat_template
     from .eval.specbench import check_draft_tokenizers, run_spec_bench
 

@@ -1,7 +1,16 @@
 """Method specs: the one syntax every CLI command, eval and app uses to name a method.
 
 A spec is ``name`` or ``name:key=value:key=value``, e.g. ``snapkv:budget=256:window=32``.
-Values are parsed as int, then float, then ``true``/``false``, else kept as strings.
+Values are parsed as int, then float, then ``true``/``false``/``none``, else kept as strings (``shape=3,2,2`` stays
+``"3,2,2"`` for the method to read). A key given twice is an error.
+
+One dialect for wrappers: a wrapped method is a nested spec with commas for colons, e.g.
+``chunked:chunk=1024:method=streaming,window=2048`` or ``chunkkv:method=snapkv,ratio=0.25``; the wrapper's
+constructor turns it into the wrapped method object (:func:`resolve_nested`), the same object
+``Chunked(StreamingLLM(window=2048), chunk=1024)`` is given directly. A wrapper never wraps itself.
+
+A spec string is parsed once: :func:`parse_method_spec` returns a :class:`MethodSpec`, and every builder
+(:func:`build_from_registry`, the registries' ``build_method``, :mod:`mmaccel.pipeline`) takes that object as it is.
 """
 from __future__ import annotations
 
@@ -51,14 +60,29 @@ def _parse_value(raw: str) -> Any:
 def parse_method_spec(spec: str | MethodSpec) -> MethodSpec:
     """Parse ``name[:key=value...]`` into a :class:`MethodSpec`.
 
+    Parameters
+    ----------
+    spec : str or MethodSpec
+        The spec text (a :class:`MethodSpec` is returned as it is, not parsed again).
+
+    Returns
+    -------
+    MethodSpec
+        ``name`` lower case, ``kwargs`` with parsed values, ``text`` the stripped spec.
+
     Raises
     ------
     ValueError
-        If the spec is empty or a ``key=value`` part is malformed; the message shows the expected syntax.
+        If the spec is empty, a ``key=value`` part is malformed, or a key is given twice
+        (``"snapkv:budget=1:budget=2"``); the message shows the expected syntax or names the key.
     """
     if isinstance(spec, MethodSpec):
         return spec
-    text = str(spec).strip()
+    return _parse_text(str(spec).strip())
+
+
+def _parse_text(text: str) -> MethodSpec:
+    """The one parse of a spec's text (every :func:`parse_method_spec` of a string comes here, once)."""
     if not text:
         raise ValueError("empty method spec; expected 'name' or 'name:key=value:key=value', e.g. 'snapkv:budget=256'")
     name, *parts = text.split(":")
@@ -70,7 +94,11 @@ def parse_method_spec(spec: str | MethodSpec) -> MethodSpec:
                 f"bad method spec {text!r}: part {part!r} is not key=value; "
                 "expected 'name:key=value:key=value', e.g. 'snapkv:budget=256'"
             )
-        kwargs[key.strip()] = _parse_value(raw.strip())
+        key = key.strip()
+        if key in kwargs:
+            raise ValueError(f"bad method spec {text!r}: key {key!r} is given twice; give each key once, e.g. "
+                             f"'{name.strip()}:{key}={raw.strip()}'")
+        kwargs[key] = _parse_value(raw.strip())
     return MethodSpec(name=name.strip().lower(), kwargs=kwargs, text=text)
 
 
@@ -171,13 +199,27 @@ def resolve_nested(value, base: type, build, owner: str, example: str):
     owner, example : str
         For the message: the wrapper's name and a valid nested spec.
 
+    Returns
+    -------
+    object
+        The wrapped component, an instance of ``base`` (a string is parsed once, here).
+
     Raises
     ------
     ValueError
-        For anything else, or as ``build`` raises for an unknown name or argument.
+        For anything else; a component named ``owner`` itself (a wrapper that wraps itself, e.g.
+        ``"chunked:method=chunked,chunk=8"`` or ``ChunkKV(ChunkKV(...))``); or as ``build`` raises for an unknown
+        name or argument.
     """
-    if isinstance(value, base):
-        return value
     if isinstance(value, str):
-        return build(value.replace(",", ":"))
+        value = parse_method_spec(value.replace(",", ":"))
+        if value.name == owner:
+            raise ValueError(f"{owner} cannot wrap itself (method={value.name!r} in {owner!r}); wrap the method "
+                             f"directly, e.g. {owner}:method={example}")
+        value = build(value)
+    if isinstance(value, base):
+        if getattr(value, "name", None) == owner or getattr(value, "method_name", None) == owner:
+            raise ValueError(f"{owner} cannot wrap itself (got {type(value).__name__}({getattr(value, 'spec', '')!s})); "
+                             f"wrap the method directly, e.g. {owner}:method={example}")
+        return value
     raise ValueError(f"{owner}: expected a {base.__name__} or a spec such as {example!r}, got {value!r}")

@@ -455,7 +455,7 @@ def test_token_stream_yields_growing_text_and_stops_its_thread_when_closed():
 
     import mmaccel
     from apps.streaming import TokenStream
-    from mmaccel.eval.generation import resolve_method
+    from mmaccel.pipeline import resolve_method
 
     model, tok = mmaccel.load("micro-lm", device="cpu")
     ids = tok.encode("The secret number of the cat is 12345. The secret number of the cat is")

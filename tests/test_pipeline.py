@@ -1,5 +1,6 @@
 """mmaccel.Pipeline: vision + KV + speculative composed on one model, exact where every piece is lossless; the
-record's split timings and telemetry; the refusals; Comparison.plot (the app's charts)."""
+record's split timings and telemetry (mmaccel.eval.measure_pipeline / compare_pieces); the refusals;
+Comparison.plot (the app's charts)."""
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from test_vision_tokens_vlm import N_IMG, _images, llava, qwen2vl  # noqa: F401 
 from tiny_models import random_prompt, tiny_llama
 
 import mmaccel
-from mmaccel.eval import Comparison, RunRecord, compare
+from mmaccel.eval import Comparison, RunRecord, compare, compare_pieces, measure_pipeline
 from mmaccel.longctx import build_method as build_kv
 from mmaccel.speculative import PromptLookup, speculative_generate
 from mmaccel.vision_tokens import UnsupportedModelError
@@ -77,8 +78,11 @@ def test_lossless_composition_equals_generate_on_llava(llava1, vision, kv, specu
     model, processor, inputs = llava1
     ref = _plain(model, inputs)
     pipe = mmaccel.Pipeline(model, processor, vision=vision, kv=kv, speculative=speculative)
-    rec = pipe.generate(inputs, max_new_tokens=N)
+    rec = measure_pipeline(pipe, inputs, max_new_tokens=N)
     assert rec.ok and rec.output_ids == ref
+    gen = pipe.generate(inputs, max_new_tokens=N)  # unmeasured: the same tokens and counts
+    assert isinstance(gen, mmaccel.pipeline.Generation) and not isinstance(gen, RunRecord)
+    assert (gen.output_ids, gen.output_text, gen.visual_tokens_kept) == (ref, rec.output_text, N_IMG)
     assert rec.output_text == processor.tokenizer.decode(ref, skip_special_tokens=True)
     assert (rec.visual_tokens, rec.visual_tokens_kept) == (N_IMG, N_IMG)
     assert rec.method == pipe.label == " + ".join(
@@ -129,7 +133,8 @@ def test_lossless_composition_equals_generate_on_micro_lm(micro):
     ids = tok(" ".join(json.__doc__.split()), return_tensors="pt").input_ids[:, :48]
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     ref = ref[0, ids.shape[1]:].tolist()
-    spec = mmaccel.Pipeline(model, tok, kv="full", speculative="draft", draft=draft).generate(ids, max_new_tokens=40)
+    spec = measure_pipeline(mmaccel.Pipeline(model, tok, kv="full", speculative="draft", draft=draft), ids,
+                            max_new_tokens=40)
     assert spec.output_ids == ref
     assert spec.telemetry["mean_accepted_length"] > 1.2 and spec.telemetry["draft_forwards"] > 0
     assert spec.vision_encoder_s is None and spec.prefill_s == spec.ttft_s and spec.visual_tokens is None
@@ -187,9 +192,9 @@ def test_pooling_snapkv_and_prompt_lookup_together_on_llava(llava1):
 
 def test_lossy_composition_records_every_piece(llava1):
     model, processor, inputs = llava1
-    plain = mmaccel.Pipeline(model, processor).generate(inputs, max_new_tokens=N)
+    plain = measure_pipeline(mmaccel.Pipeline(model, processor), inputs, max_new_tokens=N)
     pipe = mmaccel.Pipeline(model, processor, vision="pooling:keep_ratio=0.25", kv="full", speculative="prompt_lookup")
-    rec = pipe.generate(inputs, max_new_tokens=N, repeats=2)
+    rec = measure_pipeline(pipe, inputs, max_new_tokens=N, repeats=2)
     # speculative decoding is lossless over the reduced model: the output is the vision method's alone
     assert rec.output_ids == _plain(model, inputs, vision="pooling:keep_ratio=0.25")
     assert (rec.visual_tokens, rec.visual_tokens_kept) == (N_IMG, 16)
@@ -208,7 +213,7 @@ def test_lossy_composition_records_every_piece(llava1):
 def test_lossy_kv_under_in_llm_pruning_equals_the_two_applied_by_hand(llava1):
     model, processor, inputs = llava1
     vision, kv = "fastv:keep_ratio=0.25:layer=2", "snapkv:budget=24:window=8"
-    rec = mmaccel.Pipeline(model, processor, vision=vision, kv=kv).generate(inputs, max_new_tokens=N)
+    rec = measure_pipeline(mmaccel.Pipeline(model, processor, vision=vision, kv=kv), inputs, max_new_tokens=N)
     assert rec.output_ids == _plain(model, inputs, vision=vision, kv=kv)
     assert rec.visual_tokens_kept == 16 and rec.telemetry["evicted_tokens"] > 0
     assert rec.kv_cache_bytes_prefill is not None and rec.vision_encoder_s > 0
@@ -217,7 +222,7 @@ def test_lossy_kv_under_in_llm_pruning_equals_the_two_applied_by_hand(llava1):
 def test_compare_pieces_runs_each_piece_alone_and_all_together(llava1, tmp_path):
     model, processor, inputs = llava1
     pipe = mmaccel.Pipeline(model, processor, vision="pooling:keep_ratio=0.25", kv="full", speculative="prompt_lookup")
-    comp = pipe.compare_pieces(inputs, max_new_tokens=N, warmup=0)
+    comp = compare_pieces(pipe, inputs, max_new_tokens=N, warmup=0)
     labels = [r.method for r in comp.records]
     assert labels == ["plain", "vision=pooling:keep_ratio=0.25", "kv=full", "speculative=prompt_lookup", pipe.label]
     assert all(r.ok for r in comp.records)

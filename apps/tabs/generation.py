@@ -93,7 +93,8 @@ class GenerationTab(Tab):
             ``[status, (html, metrics) x 4, ratio plot]``: while a column runs, its text as the untimed pass streams
             it (no metrics); then the measured run's text and metrics.
         """
-        from mmaccel.eval.generation import generate_measured, resolve_method
+        from mmaccel.eval.generation import generate_measured
+        from mmaccel.pipeline import resolve_method
 
         req = Request(self.ctx, n_columns, (spec1, spec2, spec3, spec4))
         n, specs, results = req.n, req.specs, req.results

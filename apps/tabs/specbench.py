@@ -138,7 +138,7 @@ class SpecBenchTab(Tab):
             ``[status, (html, metrics) x 4, table (markdown), ratio plot]``. Bad settings or a model that cannot be
             loaded put an error in every column; a bad spec (or a draft with another tokenizer) in its own column.
         """
-        from mmaccel.eval.generation import resolve_method
+        from mmaccel.pipeline import resolve_method
         from mmaccel.eval.specbench import BASELINE, PROMPT_SETS, run_spec_bench
 
         table, plot = "", None

@@ -461,6 +461,7 @@ class VLMQATab(Tab):
             ``speculative="prompt_lookup"``) or a failed run, in its own column.
         """
         import mmaccel
+        from mmaccel.eval import measure_pipeline
         from mmaccel.eval.visual import chat_inputs, check_vlm_processor, image_token_count, score
 
         ctx = self.ctx
@@ -511,7 +512,8 @@ class VLMQATab(Tab):
             yield req.outputs(f"running column {i + 1} of {n} ({req.specs[i]}) ...")
             try:
                 pipe = mmaccel.Pipeline(model, processor, vision=vision, kv=kv, speculative=spec)
-                rec = pipe.generate(inputs, max_new_tokens=max_new, repeats=repeats, warmup=1, label=req.specs[i])
+                rec = measure_pipeline(pipe, inputs, max_new_tokens=max_new, repeats=repeats, warmup=1,
+                                       label=req.specs[i])
             except Exception as exc:  # noqa: BLE001 - bad spec, conflicting composition, failed run: this column
                 results[i] = ColumnResult.failure(error_text(exc))
                 if model.device.type == "cuda":  # e.g. an OOM: give the next column its memory back

@@ -5,9 +5,10 @@
 - :func:`run_niah` -- a length x depth NIAH sweep -> ``results.jsonl``, ``summary.json``, heatmaps.
 """
 from .compare import Comparison, compare
-from .generation import RunRecord, generate_measured
+from .generation import RunRecord, generate_measured, measure_pipeline
 from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
 from .niah import NIAHResult, run_niah
+from .pieces import compare_pieces
 
 __all__ = [
     "NEEDLE_TEMPLATE",
@@ -18,8 +19,10 @@ __all__ = [
     "NIAHSample",
     "RunRecord",
     "compare",
+    "compare_pieces",
     "generate_measured",
     "make_niah_sample",
+    "measure_pipeline",
     "run_niah",
     "score_answer",
 ]

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .generation import RunRecord, generate_measured, resolve_methods, split_inputs
+from ..pipeline import resolve_methods, split_inputs
+from .generation import RunRecord, generate_measured
 from .haystack import NIAHSample, score_answer, score_answer_contains
 
 logger = logging.getLogger(__name__)

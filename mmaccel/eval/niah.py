@@ -40,7 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .generation import generate_measured, median_or_none, resolve_methods
+from ..pipeline import resolve_methods
+from .generation import generate_measured, median_or_none
 from .haystack import (
     NEEDLE_TEMPLATE,
     HaystackTokens,

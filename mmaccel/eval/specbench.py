@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from ..kernels.packed_linear import PackedLinears
-from .generation import RunRecord, generate_measured, load_average, resolve_methods
+from ..pipeline import resolve_methods
+from .generation import RunRecord, generate_measured, load_average
 
 logger = logging.getLogger(__name__)
 

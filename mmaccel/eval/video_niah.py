@@ -95,7 +95,7 @@ def check_video_config(config: VisualConfig, model) -> None:
     from ..longctx import build_method as build_kv
     from ..vision_tokens import UnsupportedModelError
     from ..vision_tokens import build_method as build_vision
-    from .generation import check_composition
+    from ..pipeline import check_composition
 
     if config.vision is None:
         return

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ..specs import parse_method_spec
 from .compare import Comparison, _num
-from .generation import generate_measured, resolve_kv, resolve_vision
+from ..pipeline import resolve_kv, resolve_vision
+from .generation import generate_measured
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 import mmaccel
-from mmaccel.eval.generation import resolve_methods
+from mmaccel.pipeline import resolve_methods
 from mmaccel.eval.specbench import build_prompt_set
 
 
