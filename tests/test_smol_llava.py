@@ -120,7 +120,7 @@ def test_build_recipe_grid_tokens_and_tower_positions(parts, built):
         got = model.model.vision_tower(inputs["pixel_values"]).last_hidden_state
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     # the visual-token methods see a 12 x 12 LLaVA grid with no prefix token
-    from mmaccel.vision_tokens.base import VLMParts
+    from mmaccel.vision_tokens import VLMParts
 
     found = VLMParts.find(model)
     assert found.kind == "llava" and [(g.h, g.w, g.prefix) for g in found.grids(144, None)] == [(12, 12, 0)]

@@ -74,7 +74,7 @@ def test_lift_to_sequence_keeps_text_and_maps_images():
 
 
 def test_a_kept_cls_prefix_is_prepended_to_an_image_plan():
-    from mmaccel.vision_tokens.base import _with_prefix
+    from mmaccel.vision_tokens.pre_llm import _with_prefix
     plan = _with_prefix(TokenPlan.from_representatives(torch.tensor([[0, 0, 2, -1]]), torch.rand(1, 4)), 1)
     assert plan.index.tolist() == [[0, 1, 3]] and plan.slot_of().tolist() == [[0, 1, 1, 2, -1]]
     assert plan.weight.shape == (1, 5)

@@ -471,8 +471,8 @@ def test_llava_reduce_before_merge_gives_the_language_model_the_same_inputs(llav
 def test_placed_features_reads_rows_across_images_and_merges_like_the_sequence_plan():
     """PlacedFeatures indexes a list of per-image features like the [B, L, D] embeddings they fill, and its
     ``reduce`` equals ``plan.merge`` of those embeddings at the kept placeholders, bit for bit."""
-    from mmaccel.vision_tokens.base import PlacedFeatures
     from mmaccel.vision_tokens.plan import TokenPlan
+    from mmaccel.vision_tokens.pre_llm import PlacedFeatures
 
     torch.manual_seed(0)
     images = [torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)]

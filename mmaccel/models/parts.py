@@ -169,8 +169,8 @@ def find_parts(model: nn.Module) -> ModelParts:
 def _vlm_parts(model: nn.Module, inner: nn.Module, lm: nn.Module) -> ModelParts:
     """A model with a ``language_model``: LLaVA-family, Qwen2-VL-family or another tower + LM layout."""
     config = getattr(inner, "config", None) or getattr(model, "config", None)
-    found = dict(model=model, inner=inner, language_model=lm, lm_head=_lm_head(model),
-                 text_config=_text_config(config) if config is not None else getattr(lm, "config", None))
+    found = {"model": model, "inner": inner, "language_model": lm, "lm_head": _lm_head(model),
+             "text_config": _text_config(config) if config is not None else getattr(lm, "config", None)}
     tower, projector = _module(inner, "vision_tower"), _module(inner, "multi_modal_projector")
     if tower is not None and projector is not None and \
             getattr(config, "vision_feature_select_strategy", None) in ("default", "full"):

@@ -13,25 +13,18 @@ budget, and only ``mass=1.0`` with it leaves the model unchanged).
 """
 from __future__ import annotations
 
+from ..models.parts import vit_layers
 from ..specs import MethodSpec, build_from_registry
+from .adapters import VLMParts
 from .aim import AIM, iterative_merge_plan
 from .atp import ATP, adaptive_keep, image_segments, mass_count
-from .base import (
-    ImageGrid,
-    ImageReducer,
-    LayerPruner,
-    UnsupportedModelError,
-    VisionTokenMethod,
-    VLMParts,
-    check_keep_ratio,
-    kept_count,
-    lift_to_sequence,
-    vit_layers,
-)
+from .base import ImageGrid, UnsupportedModelError, VisionTokenMethod, check_keep_ratio, kept_count
 from .batched_tower import BatchedTower, BatchedVisionEncoding
 from .fastv import FastV
+from .in_llm import LayerPruner
 from .plan import TokenPlan
 from .pooling import Pooling, pooled_grid, pooling_plan
+from .pre_llm import ImageReducer, lift_to_sequence
 from .progressive import Progressive, parse_numbers
 from .prumerge import PruMerge, iqr_outliers, prumerge_plan
 from .temporal import TemporalToMe, temporal_merge_plan

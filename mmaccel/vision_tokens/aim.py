@@ -8,9 +8,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .base import ImageGrid, ImageReducer, check_keep_ratio, kept_count
+from .base import ImageGrid, check_keep_ratio, kept_count
 from .fastv import FastV
 from .plan import TokenPlan
+from .pre_llm import ImageReducer
 from .progressive import Progressive
 from .tome import bipartite_soft_matching
 

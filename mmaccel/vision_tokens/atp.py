@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..kernels import attention_column_scores
-from .base import ImageGrid, LayerPruner, check_keep_ratio, kept_count
+from .base import ImageGrid, check_keep_ratio, kept_count
+from .in_llm import LayerPruner
 from .plan import TokenPlan
 
 __all__ = ["ATP", "adaptive_keep", "image_segments", "mass_count"]

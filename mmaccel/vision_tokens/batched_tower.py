@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .base import VLMParts
+from .adapters import VLMParts
 
 
 def _kept_layers(inner: nn.Module, tower: nn.Module) -> set[int]:
@@ -106,7 +106,7 @@ class BatchedVisionEncoding:
     are all alive together). Batched, only the layers the projector reads are kept for all frames. Measured on
     ``smol-llava`` with 1,024 frames and pooling to 1/16 (exact tensor bytes, ``benchmarks/peak_profile.py``): the
     unbatched peak is the tower's MLP on every frame (2.6 GB); batched, with the projector batched too and a pre-LLM
-    reducer shortening the sequence before ``LlavaModel`` merges it (:class:`~.base.PlacedFeatures`), the peak is
+    reducer shortening the sequence before ``LlavaModel`` merges it (:class:`~.pre_llm.PlacedFeatures`), the peak is
     the language model's prefill (773 MiB: its K/V of the ~9,800 pooled tokens and one layer's activations).
     LLaVA also keeps the tower's output (``image_outputs``) until its language model is done, although only the projector reads it: here a hook on the projector drops its ``last_hidden_state`` and
     ``hidden_states`` once the projector has run, so in this context the model's ``image_outputs`` holds only the

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import attention_column_scores
-from .base import LayerPruner
+from .in_llm import LayerPruner
 
 __all__ = ["FastV"]
 

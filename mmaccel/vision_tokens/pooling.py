@@ -11,8 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import ImageGrid, ImageReducer, kept_count
+from .base import ImageGrid, kept_count
 from .plan import TokenPlan
+from .pre_llm import ImageReducer
 
 __all__ = ["Pooling", "pooled_grid", "pooling_plan"]
 

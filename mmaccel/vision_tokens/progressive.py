@@ -10,16 +10,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .base import (
-    LayerPruner,
-    VisionTokenMethod,
-    VLMParts,
-    _attach_outer,
-    _hook,
-    _RunState,
-    check_keep_ratio,
-    kept_count,
-)
+from .adapters import VLMParts, _attach_outer, _RunState
+from .base import VisionTokenMethod, _hook, check_keep_ratio, kept_count
+from .in_llm import LayerPruner
 
 __all__ = ["Progressive", "parse_numbers"]
 
@@ -56,7 +49,7 @@ def resolve_pruner(method: Any) -> LayerPruner:
     Raises
     ------
     ValueError
-        If it is not an in-LLM method (:class:`~.base.LayerPruner`): the message lists the ones that are.
+        If it is not an in-LLM method (:class:`~.in_llm.LayerPruner`): the message lists the ones that are.
     """
     from . import METHODS, build_method
 

@@ -7,8 +7,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import ImageGrid, ImageReducer, kept_count
+from .base import ImageGrid, kept_count
 from .plan import TokenPlan
+from .pre_llm import ImageReducer
 
 __all__ = ["TemporalToMe", "frame_grids", "temporal_merge_plan"]
 
@@ -122,7 +123,7 @@ class TemporalToMe(ImageReducer):
     images of the same size in one prompt (:func:`frame_grids`) -- how a LLaVA-1.5-style model, which has no video
     input, is fed a video: one ``<image>`` per frame. A single image is left unchanged.
 
-    ``telemetry``: as :class:`~.base.ImageReducer` (``tokens_before`` / ``tokens_after`` per clip), plus
+    ``telemetry``: as :class:`~.pre_llm.ImageReducer` (``tokens_before`` / ``tokens_after`` per clip), plus
     ``frames``: the frames of each clip. :meth:`source_map` gives one plan per clip.
 
     Parameters

@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import ImageGrid, ImageReducer, VisionTokenMethod, VLMParts, _cls_layer, kept_count, vit_layers
+from ..models.parts import vit_layers
+from .adapters import VLMParts, _cls_layer
+from .base import ImageGrid, VisionTokenMethod, kept_count
 from .plan import TokenPlan
+from .pre_llm import ImageReducer
 
 __all__ = ["ToMe", "bipartite_soft_matching", "parse_schedule"]
 

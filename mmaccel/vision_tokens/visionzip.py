@@ -7,8 +7,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import ImageGrid, ImageReducer, kept_count
+from .base import ImageGrid, kept_count
 from .plan import TokenPlan
+from .pre_llm import ImageReducer
 
 __all__ = ["VisionZip", "visionzip_plan"]
 
