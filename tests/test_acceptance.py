@@ -41,7 +41,7 @@ def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
     reason="known gap (issue 2, study in the micro-lm card): micro-lm has no attention sink and its layer-1 heads "
     "attend, while generating digits 2-3 of the answer, to haystack tokens that SnapKV's question window does not "
     "point at; SnapKV at budget 256 answers 3 of these 8 seeds at 4k (full: 8/8), its misses wrong in digits 2-3 "
-    "(see benchmarks/snapkv_diagnosis.py). Real models with sinks are measured in assets/models/smollm2-135m.",
+    "(see studies/snapkv_diagnosis/). Real models with sinks are measured in assets/models/smollm2-135m.",
 )
 def test_snapkv_256_answers_the_4k_needle_over_8_seeds(micro_lm):
     model, tok = micro_lm

@@ -190,7 +190,7 @@ def query_group_scores(scores: torch.Tensor, num_kv_heads: int, group: str = "me
     """Combine per-query-head scores within each GQA group into one score per KV head: their mean or their maximum.
 
     ``"max"`` keeps a slot that one query head of the group needs even if the others ignore it (the reduction that
-    finds the needle more often for Quest's page bounds on smollm2-135m; ``benchmarks/quest_recall.py``).
+    finds the needle more often for Quest's page bounds on smollm2-135m; ``studies/needle_digits/quest_recall.py``).
 
     Parameters
     ----------

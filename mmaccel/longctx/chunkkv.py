@@ -65,7 +65,7 @@ class ChunkKV(ScorerWrapper):
     the paper), and the base keeps the ``budget`` best slots per KV head in that order (:func:`chunkkv_scores`):
     whole chunks, at most one split by the slots' own scores. A number, a name or a clause survives whole where a
     token-level top-k keeps its first digits and drops the rest (the failure of SnapKV on the NIAH needles of
-    ``smollm2-135m``, ``benchmarks/needle_digits_kept.py``). The storage, the budget and the decode behaviour are the
+    ``smollm2-135m``, ``studies/needle_digits/``). The storage, the budget and the decode behaviour are the
     wrapped method's. The paper's layer-wise index reuse (adjacent layers sharing one selection) is not built.
 
     Parameters

@@ -190,7 +190,7 @@ class Quest(KVMethod):
         How a GQA group's query heads combine their page bounds (:func:`quest_page_scores`): ``"mean"`` (default,
         Quest's per-head score averaged over the group) or ``"max"``. On smollm2-135m at 4k, ``"max"`` finds the
         needle's page for 94% of the retrieving (head, step) pairs at 25% against 91% for ``"mean"``
-        (``benchmarks/quest_recall.py``).
+        (``studies/needle_digits/quest_recall.py``).
 
     Notes
     -----

@@ -133,14 +133,14 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
         a = study["args"]
         rows = [[condition, f"{sum(hits)}/{len(hits)}"] for condition, hits in study["results"].items()]
         kv_md += (
-            "\n## Under SnapKV (`benchmarks/snapkv_diagnosis.py`)\n"
+            "\n## Under SnapKV (`studies/snapkv_diagnosis/snapkv_diagnosis.py`)\n"
             f"{a['length']} tokens, needle depth {a['depth']}, {a['seeds']} seeds, SnapKV budget {a['budget']}, "
             f"window {a['window']}; greedy, exact match. \"layer L only\" compresses one layer and leaves the others "
             "full; \"+ needle\" adds the needle's tokens to SnapKV's selection in every layer; \"+ decode top-n\" adds, "
             "per query head, the n prompt positions the answer tokens attend to most under full attention.\n\n"
             + _fmt_table(["condition", "correct"], rows)
             + _snapkv_study_findings(study)
-            + f"\n\nCommand: `python benchmarks/snapkv_diagnosis.py --model {name} --out "
+            + f"\n\nCommand: `python studies/snapkv_diagnosis/snapkv_diagnosis.py --model {name} --out "
             f"assets/models/{name}/snapkv_diagnosis.json`.\n"
         )
     arch = (

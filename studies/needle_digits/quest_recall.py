@@ -16,7 +16,7 @@ that do the retrieval), and the attention mass each selection keeps.
 
 Usage::
 
-    python benchmarks/quest_recall.py --length 4096 --documents 6 --ratios 0.1 0.25 --out FILE.json
+    python studies/needle_digits/quest_recall.py --length 4096 --documents 6 --ratios 0.1 0.25 --out FILE.json
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 import torch
-from needle_digits_kept import needle_digit_positions  # benchmarks/ is the script's own folder
+from needle_digits_kept import needle_digit_positions  # the script's own folder
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

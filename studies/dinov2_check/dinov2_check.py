@@ -1,6 +1,6 @@
 """Check a DINOv2 checkpoint converted from ONNX against the ONNX itself, and by nearest-neighbour retrieval.
 
-``python benchmarks/dinov2_check.py --onnx vit_s_focus.onnx --model-dir DIR --out check.json [--views 4] [--seed 0]``
+``python studies/dinov2_check/dinov2_check.py --onnx vit_s_focus.onnx --model-dir DIR --out check.json [--views 4] [--seed 0]``
 
 Converts ``--onnx`` into ``--model-dir`` with ``mmaccel.models.convert_onnx.convert_dinov2_onnx`` unless the folder
 already holds a ``config.json``. Then, on four scikit-image photos (astronaut, chelsea, coffee, rocket) and on
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
     hf_emb, ort_emb = embeddings(hf), embeddings(ort)
     result = {
-        "command": "python benchmarks/dinov2_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python studies/dinov2_check/dinov2_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "hardware": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": args.threads},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

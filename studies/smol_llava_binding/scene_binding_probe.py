@@ -12,7 +12,7 @@ whether the features allow the lookup at all, with the smallest model that can d
 Scenes: ``mmaccel.data.scenes.make_scene`` (2-5 objects). Each object whose shape (colour) is unique in its scene
 gives one colour (shape) question. Held-out accuracy per layer and epoch goes to ``--out`` (JSON) and stdout.
 
-    python benchmarks/scene_binding_probe.py --threads 2 --out benchmarks/results/vision/scene_binding_probe.json
+    python studies/smol_llava_binding/scene_binding_probe.py --threads 2 --out studies/smol_llava_binding/scene_binding_probe.json
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 from mmaccel.data.scenes import PALETTE, SHAPES, make_scene
 from mmaccel.data.splits import split_seed
-from smol_llava_feature_probe import parse_and_load  # the sibling script in benchmarks/
+from smol_llava_feature_probe import parse_and_load  # the sibling script in this folder
 
 COLOURS = list(PALETTE)
 

@@ -6,7 +6,7 @@ box covers ("mean"), at every layer (0 = embeddings, 12 = last block, what smol-
 multinomial logistic regression (L-BFGS, L2 1e-3, standardised features) for its colour (6-way), shape (3-way) and
 size (2-way). Held-out accuracy per layer goes to ``--out`` (JSON) and stdout.
 
-    python benchmarks/smol_llava_feature_probe.py --threads 2 --out benchmarks/results/vision/smol_llava_feature_probe.json
+    python studies/smol_llava_binding/smol_llava_feature_probe.py --threads 2 --out studies/smol_llava_binding/smol_llava_feature_probe.json
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Seconds per smol-llava training step, fp32 against bf16 autocast (the number behind ``--autocast bf16``).
 
-``python benchmarks/train_step_autocast.py``: builds smol-llava's parts with LoRA rank 8, takes 3 batches of 6
+``python studies/train_step_autocast/train_step_autocast.py``: builds smol-llava's parts with LoRA rank 8, takes 3 batches of 6
 five-question conversations, and times 3 optimizer steps in each mode, twice, alternating (the first fp32 round is the
 warm-up). Run it on a quiet machine. 2026-11-27, 2-core AVX-512-BF16 CPU, 2 threads, nothing else running: fp32
 6.65-6.73 s, bf16 4.55-4.68 s per step of [6, 294] tokens (1.45x).

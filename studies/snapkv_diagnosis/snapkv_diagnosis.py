@@ -1,6 +1,6 @@
 """Why does SnapKV miss a needle that full attention finds? A per-layer and oracle study on one model.
 
-``python benchmarks/snapkv_diagnosis.py [--model micro-lm] [--length 4096] [--depth 0.5] [--seeds 8] [--out FILE]``
+``python studies/snapkv_diagnosis/snapkv_diagnosis.py [--model micro-lm] [--length 4096] [--depth 0.5] [--seeds 8] [--out FILE]``
 
 SnapKV (Li et al., 2024, arXiv 2404.14469) rests on one premise: the attention the last ``window`` prompt tokens pay
 predicts the attention the generated tokens will pay. This script measures, on NIAH samples that full attention

@@ -7,7 +7,7 @@ linear layer, lr 1e-3 with 20 warm-up steps and cosine decay to 10%, bf16 autoca
 (``mmaccel.data.scenes.make_scene_qa``, train split, 5 per scene), batch 16, loss on the answer and EOS. Held-out:
 the first 200 questions of the test split (the ones the trainer scores), greedy, first word exact.
 
-    python benchmarks/scene_text_binding.py --steps 100 --threads 2 --out benchmarks/results/vision/smol_llava_caption_turn/text_binding.json
+    python studies/smol_llava_binding/scene_text_binding.py --steps 100 --threads 2 --out benchmarks/results/vision/smol_llava_caption_turn/text_binding.json
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ results README).
 
 Usage::
 
-    python benchmarks/duo_gates_smollm2.py --threads 2 --steps 40 --out benchmarks/results/longctx/duo_gates_smollm2.json
-    python benchmarks/duo_gates_smollm2.py --length 4096 --steps 24 --pattern-name smollm2-135m-gates-4k \
-        --out benchmarks/results/longctx/duo_gates_smollm2_4k.json
+    python studies/duo_gates_smollm2/duo_gates_smollm2.py --threads 2 --steps 40 --out studies/duo_gates_smollm2/duo_gates_smollm2.json
+    python studies/duo_gates_smollm2/duo_gates_smollm2.py --length 4096 --steps 24 --pattern-name smollm2-135m-gates-4k \
+        --out studies/duo_gates_smollm2/duo_gates_smollm2_4k.json
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--fraction", type=float, default=0.25)
-    p.add_argument("--out", default="benchmarks/results/longctx/duo_gates_smollm2.json")
+    p.add_argument("--out", default="studies/duo_gates_smollm2/duo_gates_smollm2.json")
     p.add_argument("--pattern-name", help="name of the written pattern (default <model>-gates, the shipped one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

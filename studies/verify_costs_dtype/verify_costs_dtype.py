@@ -1,6 +1,6 @@
 """What one verification forward of n tokens costs against a one-token forward, fp32 vs bf16, on this machine.
 
-``python benchmarks/verify_costs_dtype.py`` prints, for ``smollm2-135m`` over a 256-token ``DynamicCache`` (random
+``python studies/verify_costs_dtype/verify_costs_dtype.py`` prints, for ``smollm2-135m`` over a 256-token ``DynamicCache`` (random
 ids, the cache cropped back after each forward), the median of 7 timed forwards after 2 warm-ups per n, in
 milliseconds and as a ratio to n = 1, for fp32 on 2 and 1 threads and bf16 on 2 threads. Results:
 ``benchmarks/results/speculative/smollm2_eagle/verify_costs_dtype.md``. Run it on a quiet machine.

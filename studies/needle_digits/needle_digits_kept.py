@@ -7,7 +7,7 @@ counts).
 
 Usage::
 
-    python benchmarks/needle_digits_kept.py --methods h2o:ratio=0.5 snapkv:ratio=0.5 --out FILE.json
+    python studies/needle_digits/needle_digits_kept.py --methods h2o:ratio=0.5 snapkv:ratio=0.5 --out FILE.json
 
 Writes ``{"document": {...}, "methods": {spec: {"output", "digit_kept_fraction"}}}``.
 """

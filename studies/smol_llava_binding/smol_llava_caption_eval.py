@@ -5,7 +5,7 @@ Asks :data:`mmaccel.models.train_smol_llava.CAPTION_PROMPT` about the test-split
 :func:`mmaccel.data.scenes.describe_scene`: the whole caption (exact), and the share of the scene's objects whose
 "a <size> <colour> <shape>" phrase appears among the answer's comma-separated items.
 
-    python benchmarks/smol_llava_caption_eval.py --projector DIR/projector.safetensors --scenes 60 --out FILE.json
+    python studies/smol_llava_binding/smol_llava_caption_eval.py --projector DIR/projector.safetensors --scenes 60 --out FILE.json
 """
 from __future__ import annotations
 
