@@ -1,7 +1,9 @@
 """Speculative methods as measured-generation methods: the engine's drafters and transformers' own speculative paths.
 
-:func:`mmaccel.eval.generation.generate_measured` resolves a method spec to an object that knows how to run one
-timed generation (``timed_generate``); this module supplies those objects for speculative decoding, so that the
+The composition layer (:func:`mmaccel.pipeline.resolve_method`) resolves a method spec, parsed once, to an object that
+knows how to run one timed generation (``timed_generate``); this module supplies those objects for speculative
+decoding (a drafter with its draft length, and transformers' own speculative paths: the speculative registry's
+members, which need nothing above :mod:`mmaccel.speculative`), so that the
 engine's drafters and transformers' peers go through the same measured path and the same ``RunRecord`` as the
 KV-cache methods (the harness contract of Spec-Bench: Xia et al., "Unlocking Efficiency in Large Language Model
 Inference: A Comprehensive Survey of Speculative Decoding", 2024, arXiv 2401.07851).
@@ -40,6 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..kernels._common import synchronize
 from ..longctx import kv_cache_bytes
 from ..specs import MethodSpec, accepted_keys, build_from_registry, parse_method_spec
 from .base import Drafter
@@ -50,11 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: default draft tokens per step of each drafter (PLD drafts up to 10 tokens, Saxena 2023)
 DEFAULT_K = {"prompt_lookup": 16, "pld": 10, "eagle": 4, "cascade": 16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _load_draft(ref, target):
@@ -177,14 +175,14 @@ class _ForwardLog:
             ids = kwargs.get("input_ids", args[0] if args else None)
             n = int(ids.shape[1]) if ids is not None else int(kwargs["inputs_embeds"].shape[1])
             draft = is_assistant or getattr(self._config, "num_hidden_layers", None) != self._layers
-            _sync(self.device)
+            synchronize(self.device)
             call = {"start": time.perf_counter(), "tokens": n, "draft": draft}
             self._open.append(call)
             self.calls.append(call)
         return hook
 
     def _post(self, module, args, output):
-        _sync(self.device)
+        synchronize(self.device)
         if self._open:
             self._open.pop()["end"] = time.perf_counter()
 
@@ -238,11 +236,11 @@ class TransformersPeer:
         L = int(input_ids.shape[1])
         device = input_ids.device
         with _ForwardLog(model, self._assistant()) as log:
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                                  return_dict_in_generate=True, **gen_kwargs, **extra, **(model_inputs or {}))
-            _sync(device)
+            synchronize(device)
             t_end = time.perf_counter()
         new_ids = out.sequences[0, L:].tolist()
         n = len(new_ids)
