@@ -186,7 +186,7 @@ def test_run_niah_writes_records_summary_and_heatmaps(tiny, tmp_path):
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) == len(res.records) == 2 * 2 * 2 * 2
-    assert all(set(r) == RECORD_FIELDS for r in rows)
+    assert all(set(r) == RECORD_FIELDS | {"cell_id"} for r in rows)  # the sweep names each cell
     assert {r["method"] for r in rows} == set(methods)
     # every method saw exactly the same prompts
     per_method = {m: [(r["extra"]["length"], r["extra"]["depth"], r["extra"]["trial"], r["extra"]["key"],

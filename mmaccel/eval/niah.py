@@ -7,33 +7,34 @@ a given token length, the question at the end asks for the value, and the answer
 
 Output folder
 -------------
+The sweep runs on :func:`mmaccel.eval.sweep.sweep`: methods interleaved per prompt, every record appended and
+fsynced as it finishes, a non-empty folder refused unless ``resume`` (skip the finished cells) or ``overwrite``.
+
 ``results.jsonl``
-    One :class:`~mmaccel.eval.generation.RunRecord` per (method, length, depth, trial), written and flushed as soon as
-    it exists, so nothing is lost if a later run dies. ``extra`` holds ``length``, ``depth``, ``trial``,
-    ``sample_seed``, ``key``, ``answer``, ``needle_position``, ``chat_template``, ``correct`` (strict: the first
-    number of the answer is the needle; the headline) and ``correct_contains`` (the needle appears in the answer,
-    kvpress's rule).
+    One :class:`~mmaccel.eval.generation.RunRecord` per (method, length, depth, trial), appended and fsynced as soon
+    as it exists, so nothing is lost if a later run dies. ``cell_id`` names the cell; ``extra`` holds ``length``,
+    ``depth``, ``trial``, ``sample_seed``, ``key``, ``answer``, ``needle_position``, ``chat_template``, ``correct``
+    (strict: the first number of the answer is the needle; the headline) and ``correct_contains`` (the needle appears
+    in the answer, kvpress's rule).
+``sweep.json``
+    The sweep's configuration and its cell ids (what ``--resume`` checks, what a merge expects).
 ``summary.json``
     Per method: overall accuracy (strict and contains); per length the same with medians of TTFT, tokens/s, peak
     memory, K/V bytes after prefill and the K/V ratio after prefill against ``full`` on the same prompts; and per
-    length x depth cell the accuracy, counts and medians.
+    length x depth cell the accuracy, counts and medians. ``"sweep"``: cells expected, found, failed, ``complete``.
 ``heatmap_<method>.png``
     Accuracy over length (x) x depth (y), one per method.
 
 Sharded sweeps
 --------------
-Under ``accelerate launch`` (or ``torchrun``) with N > 1 processes, :func:`run_niah` gives cell ``i`` of the
-(method, length, depth, trial) list to process ``i % N`` (:func:`shard_cells`). Every process builds the same list and
-the same documents from the seed, writes its records to ``shard-{k}-of-{N}/results.jsonl`` (and that shard's
-``summary.json``), waits for the others, and the main process writes the files above, in the single-process order, so
-they equal a one-process run's except for timings and ``config["shards"]``. The output folder must be shared by the
-processes (one machine, or a shared file system).
+Under ``accelerate launch`` (or ``torchrun``) with N > 1 processes, unit ``i`` of the interleaved cell list goes to
+process ``i % N`` (:func:`~mmaccel.eval.sweep.shard_cells`). Every process builds the same list and the same documents
+from the seed, appends its records to ``shard-{k}-of-{N}/results.jsonl``, waits for the others, and the main process
+writes the files above, in the single-process order, so they equal a one-process run's except for timings and
+``config["shards"]``. The output folder must be shared by the processes (one machine, or a shared file system).
 """
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -52,6 +53,21 @@ from .haystack import (
     score_answer_contains,
 )
 from .memory import check_cpu_meter
+from .sweep import (  # noqa: F401 - process_state, shard_cells, shard_dir, BARRIER_TIMEOUT: re-exported
+    BARRIER_TIMEOUT,
+    Cell,
+    merge_sweeps,
+    process_state,
+    run_measured_group,
+    save_figure,
+    shard_cells,
+    shard_dir,
+    shares_prefill,
+    sweep,
+)
+from .sweep import (
+    read_sweeps as _read_sweep_dirs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -323,9 +339,7 @@ def plot_heatmap(cells: list[dict], lengths: Sequence[int], depths: Sequence[flo
     ax = fig.add_subplot()
     fig.colorbar(draw_heatmap(ax, cells, lengths, depths, title), ax=ax, label="accuracy")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)
 
 
 def draw_heatmap(ax, cells: list[dict], lengths: Sequence[int], depths: Sequence[float], title: str):
@@ -409,97 +423,22 @@ def estimate_sweep_seconds(model, tokenizer, lengths: Sequence[int], runs_per_le
     }
 
 
-BARRIER_TIMEOUT = datetime.timedelta(days=7)
-"""How long a process of a sharded sweep waits for the others (shards finish at different times; torch's default
-of 30 minutes (gloo) or 10 minutes (NCCL) would end a long sweep). When one process fails, the launcher (torchrun)
-stops the others, so they do not wait this long."""
-
-
-def process_state(device="auto", *, timeout: datetime.timedelta = BARRIER_TIMEOUT):
-    """accelerate's ``PartialState`` of this process, set up for a sweep on ``device``.
-
-    On a machine without CUDA, ``accelerate launch --multi_gpu --num_processes N`` starts N local processes through
-    torchrun, as on GPUs; they join one gloo group only when ``PartialState`` is told to use the CPU, so ``cpu`` is
-    set from ``device`` (``"cpu"``, or ``"auto"`` without CUDA).
-    The state is process-wide: the first call sets it up (and ``timeout``, the wait at barriers), later calls return it.
-
-    Parameters
-    ----------
-    device : str or torch.device
-        ``"auto"``, ``"cpu"`` or ``"cuda[:N]"``, as in :func:`mmaccel.models.load`.
-    timeout : datetime.timedelta
-        Longest wait at a barrier (default :data:`BARRIER_TIMEOUT`).
-
-    Returns
-    -------
-    accelerate.PartialState
-        ``num_processes``, ``process_index``, ``is_main_process``, ``device``, ``wait_for_everyone()``.
-    """
-    import torch
-    from accelerate import PartialState
-
-    cpu = str(device).startswith("cpu") or not torch.cuda.is_available()
-    return PartialState(cpu=cpu, timeout=timeout)
-
-
-def shard_cells(cells: Sequence, num_processes: int, process_index: int) -> list:
-    """The cells one process of a sharded sweep runs: cell ``i`` goes to process ``i % num_processes``.
-
-    Every process passes the same list in the same order, so the shards are disjoint and cover every cell once;
-    round-robin spreads each method's lengths (whose cost grows with length) over the processes.
-
-    Parameters
-    ----------
-    cells : sequence
-        All cells, in the single-process order.
-    num_processes : int
-        Number of processes (>= 1).
-    process_index : int
-        This process, in ``[0, num_processes)``.
-
-    Returns
-    -------
-    list
-        ``cells[process_index::num_processes]``.
-
-    Raises
-    ------
-    ValueError
-        If ``num_processes < 1`` or ``process_index`` is outside ``[0, num_processes)``.
-    """
-    if num_processes < 1 or not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index must be in [0, num_processes) with num_processes >= 1, got process "
-                         f"{process_index} of {num_processes}")
-    return list(cells)[process_index::num_processes]
-
-
-def shard_dir(out_dir, process_index: int, num_processes: int) -> Path:
-    """The folder of one shard of a sharded sweep: ``out_dir/shard-{k}-of-{N}``."""
-    return Path(out_dir) / f"shard-{process_index}-of-{num_processes}"
-
-
 def _cell_key(record: dict) -> tuple:
     """(method label, length, depth, trial) of a record: what identifies a cell of a sweep."""
     return record["method"], record["extra"]["length"], record["extra"]["depth"], record["extra"].get("trial")
 
 
-def _write_sweep(out: Path, records: list[dict], summary: dict, labels: Sequence[str], lengths: Sequence[int],
-                 depths: Sequence[float], *, write_records: bool = True) -> NIAHResult:
-    """Write ``results.jsonl`` (unless already streamed there), ``summary.json`` and one heatmap per label."""
-    out.mkdir(parents=True, exist_ok=True)
-    if write_records:
-        with open(out / "results.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    result = NIAHResult(records=records, summary=summary, out_dir=out)
-    for label in labels:
-        result.heatmaps[label] = plot_heatmap(summary["methods"][label]["cells"], lengths, depths,
-                                              f"NIAH accuracy: {label}", out / f"heatmap_{safe_label(label)}.png")
-    return result
+def _write_heatmaps(out: Path, summary: dict, labels: Sequence[str], lengths: Sequence[int],
+                    depths: Sequence[float]) -> dict:
+    """One heatmap per label, each written atomically; returns label -> path."""
+    return {label: plot_heatmap(summary["methods"][label]["cells"], lengths, depths, f"NIAH accuracy: {label}",
+                                out / f"heatmap_{safe_label(label)}.png")
+            for label in labels if label in summary["methods"]}
 
 
 def read_sweeps(in_dirs: Sequence) -> tuple[list[dict], list[dict]]:
-    """Records and ``summary.json`` configs of several sweep folders, in the order given.
+    """Records and ``summary.json`` configs of several sweep folders, in the order given (``results.jsonl`` or
+    ``results.jsonl.gz``; a torn last line is skipped with a warning naming the file).
 
     Raises
     ------
@@ -508,18 +447,21 @@ def read_sweeps(in_dirs: Sequence) -> tuple[list[dict], list[dict]]:
     ValueError
         If a method label appears in two sweeps for the same (length, depth, trial).
     """
-    records, configs = [], []
-    for d in in_dirs:
-        path = Path(d) / "results.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; pass folders written by `mmaccel niah --out`")
-        records += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if (Path(d) / "summary.json").is_file():
-            configs.append(json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")).get("config", {}))
-    keys = [_cell_key(r) for r in records]
-    if len(set(keys)) != len(keys):
-        raise ValueError("the sweeps overlap: the same method, length, depth and trial appears twice")
-    return records, configs
+    merged = _read_sweep_dirs(in_dirs, key=_cell_key)
+    return merged.records, merged.configs
+
+
+def _sample_id(sample: NIAHSample, trial: int) -> str:
+    return f"L={sample.length}/d={sample.depth:g}/t={trial}"
+
+
+def niah_cells(labels: Sequence[str], lengths: Sequence[int], depths: Sequence[float], trials: int, *,
+               seed: int = 0) -> list[Cell]:
+    """The cells of a NIAH sweep, method-major (method, length, depth, trial), without payloads: what a sweep with
+    these arguments expects (:func:`merge_results` counts them)."""
+    return [Cell(label, f"L={int(n)}/d={float(d):g}/t={t}",
+                 {"length": int(n), "depth": float(d), "trial": t, "sample_seed": seed + t})
+            for label in labels for n in lengths for d in depths for t in range(trials)]
 
 
 def run_niah(
@@ -539,12 +481,17 @@ def run_niah(
     repeats: int = 1,
     warmup: int = 1,
     out_dir=None,
-    progress: bool = True,
+    progress: bool | None = True,
     state=None,
     memory_meter: str = "rss",
+    resume: bool = False,
+    overwrite: bool = False,
+    shared_prefill: bool = True,
+    report=None,
 ) -> NIAHResult:
-    """Run a NIAH sweep: every method on every (length, depth, trial) prompt, sharded over processes when launched
-    with ``accelerate launch`` (see the module docstring).
+    """Run a NIAH sweep: every method on every (length, depth, trial) prompt through the sweep harness
+    (:func:`mmaccel.eval.sweep.sweep`: methods interleaved per prompt, records appended and fsynced as they finish,
+    resumable), sharded over processes when launched with ``accelerate launch`` (see the module docstring).
 
     Parameters
     ----------
@@ -573,10 +520,10 @@ def run_niah(
         process in a sharded sweep), on a short prompt (:func:`warmup_sample`), not on a copy of the long one and not
         before every trial.
     out_dir : path, optional
-        Where ``results.jsonl``, ``summary.json`` and the heatmaps go; nothing is written when ``None``. A sharded
-        sweep also writes ``shard-{k}-of-{N}/`` there; every process must see the same folder.
-    progress : bool
-        Show a tqdm progress bar.
+        Where ``results.jsonl``, ``sweep.json``, ``summary.json`` and the heatmaps go; nothing is written when
+        ``None``. A sharded sweep also writes ``shard-{k}-of-{N}/`` there; every process must see the same folder.
+    progress : bool or None
+        Show a tqdm progress bar (``None``: only on a terminal).
     memory_meter : {"rss", "allocator"}
         How ``peak_memory_bytes`` is measured off CUDA (:func:`~mmaccel.eval.generation.generate_measured`): the
         sampled RSS (default) or torch's exact CPU allocations under the profiler (comparable across runs and
@@ -584,6 +531,15 @@ def run_niah(
     state : accelerate.PartialState, optional
         The processes to shard over; default :func:`process_state` for the model's device. One process (no
         ``accelerate launch``, or ``--num_processes 1``) runs every cell, exactly as without accelerate.
+    resume, overwrite : bool
+        A non-empty ``out_dir`` is refused unless one is set: ``resume`` skips the prompts already in
+        ``results.jsonl`` and runs the rest; ``overwrite`` replaces the old files once the first new record is
+        written (:func:`mmaccel.eval.sweep.check_out_dir`).
+    shared_prefill : bool
+        Run the KV methods that only compress after a full prefill (``shares_prefill``) as one group per prompt
+        with one shared prefill, when ``mmaccel.eval.shared`` is installed; ``False`` runs every method separately.
+    report : callable ``(summary) -> None``, optional
+        Called before ``summary.json`` and the heatmaps are written (the CLI prints its table there).
 
     Returns
     -------
@@ -592,13 +548,14 @@ def run_niah(
     Raises
     ------
     ValueError, FileNotFoundError
-        Configuration errors, all before the first run: an unknown method or bad method arguments, bad
-        lengths/depths/trials, a length too small for the needle, bad templates, ``chat_template="on"`` for a
-        tokenizer without one, a missing haystack file, a sharded sweep without ``out_dir``. Failures of single
-        runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
+        Configuration errors, all before the first run and before any file is touched: an unknown method or bad
+        method arguments, bad lengths/depths/trials, a length too small for the needle, bad templates,
+        ``chat_template="on"`` for a tokenizer without one, a missing haystack file, a sharded sweep without
+        ``out_dir``, a non-empty ``out_dir`` without ``resume``/``overwrite``, resuming a folder of another sweep.
+        Failures of single runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
     RuntimeError
-        In a sharded sweep, if the shard files the main process reads back do not hold every cell exactly once
-        (e.g. another sweep wrote into the same folder at the same time).
+        In a sharded sweep, if the shard files the main process reads back do not hold every cell (e.g. another
+        sweep wrote into the same folder at the same time).
     """
     resolved = resolve_methods(methods)
     check_cpu_meter(memory_meter, "memory_meter")
@@ -615,48 +572,10 @@ def run_niah(
         logger.warning("lengths up to %d exceed the model's max_position_embeddings=%d", max(lengths), max_pos)
     if state is None:
         state = process_state(getattr(model, "device", "cpu"))
-    n_proc, rank = state.num_processes, state.process_index
+    n_proc = state.num_processes
     if n_proc > 1 and out_dir is None:
         raise ValueError(f"a sweep sharded over {n_proc} processes needs out_dir (a folder every process can see), "
                          "where the shards are merged")
-
-    from tqdm.auto import tqdm
-
-    # (method index, sample index), method-major: the single-process order.
-    cells = [(m, s) for m in range(len(resolved)) for s in range(len(samples))]
-    mine = shard_cells(cells, n_proc, rank)
-    out = Path(out_dir) if out_dir is not None else None
-    run_dir = shard_dir(out, rank, n_proc) if out is not None and n_proc > 1 else out
-    records: list[dict] = []
-    warmed: set[int] = set()
-    with contextlib.ExitStack() as stack:
-        sink = None
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(run_dir / "results.jsonl", "w", encoding="utf-8"))
-        desc = "niah" if n_proc == 1 else f"niah {rank + 1}/{n_proc}"
-        bar = stack.enter_context(tqdm(total=len(mine), desc=desc, unit="run", disable=not progress))
-        for m, s in mine:
-            (method, label), (trial, sample) = resolved[m], samples[s]
-            bar.set_postfix_str(f"{label} L={sample.length} d={sample.depth:g}")
-            rec = generate_measured(
-                model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
-                repeats=repeats, warmup=0 if m in warmed else warmup, warmup_ids=warm.input_ids,
-                memory_meter=memory_meter,
-            )
-            warmed.add(m)
-            rec.extra.update(
-                length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
-                answer=sample.answer, needle_position=sample.needle_position, chat_template=use_chat,
-                correct=rec.ok and score_answer(rec.output_text, sample.answer),
-                correct_contains=rec.ok and score_answer_contains(rec.output_text, sample.answer),
-            )
-            row = rec.to_dict()
-            records.append(row)
-            if sink is not None:
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-            bar.update(1)
 
     labels = [label for _, label in resolved]
     config = {
@@ -675,47 +594,81 @@ def run_niah(
         "warmup": warmup,
         "memory_meter": memory_meter,
     }
-    if n_proc == 1:
+    # (method, length, depth, trial), method-major; the harness interleaves the methods per prompt.
+    cells = [
+        Cell(label, _sample_id(sample, trial),
+             {"length": sample.length, "depth": sample.depth, "trial": trial, "sample_seed": seed + trial},
+             group="shared-prefill" if shared_prefill and shares_prefill(method) else None, payload=(m, s))
+        for m, (method, label) in enumerate(resolved) for s, (trial, sample) in enumerate(samples)
+    ]
+    warmed: set[int] = set()
+
+    def finish(rec, trial: int, sample: NIAHSample) -> dict:
+        rec.extra.update(
+            length=sample.length, depth=sample.depth, trial=trial, sample_seed=seed + trial, key=sample.key,
+            answer=sample.answer, needle_position=sample.needle_position, chat_template=use_chat,
+            correct=rec.ok and score_answer(rec.output_text, sample.answer),
+            correct_contains=rec.ok and score_answer_contains(rec.output_text, sample.answer),
+        )
+        return rec.to_dict()
+
+    def run(cell: Cell) -> dict:
+        m, s = cell.payload
+        (method, label), (trial, sample) = resolved[m], samples[s]
+        rec = generate_measured(
+            model, tokenizer, sample.input_ids, method=method, label=label, max_new_tokens=max_new_tokens,
+            repeats=repeats, warmup=0 if m in warmed else warmup, warmup_ids=warm.input_ids,
+            memory_meter=memory_meter,
+        )
+        warmed.add(m)
+        return finish(rec, trial, sample)
+
+    def run_group(group: list[Cell]) -> list[dict]:
+        ms = [c.payload[0] for c in group]
+        trial, sample = samples[group[0].payload[1]]
+        recs = run_measured_group(
+            model, tokenizer, sample.input_ids, [resolved[m] for m in ms], max_new_tokens=max_new_tokens,
+            repeats=repeats, warmup=0 if all(m in warmed for m in ms) else warmup, warmup_ids=warm.input_ids,
+        )
+        warmed.update(ms)
+        return [finish(rec, trial, sample) for rec in recs]
+
+    def summarize_all(records: list[dict]) -> dict:
         summary = summarize(records, lengths, depths)
-        summary["config"] = config
-        if out is None:
-            return NIAHResult(records=records, summary=summary)
-        result = _write_sweep(out, records, summary, labels, lengths, depths, write_records=False)
-        logger.info("wrote %s", out)
-        return result
+        summary["config"] = dict(config)
+        if n_proc > 1:
+            summary["config"]["shards"] = [str(shard_dir(out_dir, k, n_proc)) for k in range(n_proc)]
+        return summary
 
-    # Sharded: this shard's summary (so `mmaccel niah-merge` can also merge shards by hand), then the main process
-    # merges every shard, in the single-process order, once all have finished.
-    shard_summary = summarize(records, lengths, depths)
-    shard_summary["config"] = {**config, "shard": [rank, n_proc]}
-    (run_dir / "summary.json").write_text(json.dumps(shard_summary, indent=2), encoding="utf-8")
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        return NIAHResult(records=records, summary=shard_summary, out_dir=run_dir, process_index=rank,
-                          num_processes=n_proc)
-    dirs = [shard_dir(out, k, n_proc) for k in range(n_proc)]
-    merged, _ = read_sweeps(dirs)
-    order = {(resolved[m][1], samples[s][1].length, samples[s][1].depth, samples[s][0]): i
-             for i, (m, s) in enumerate(cells)}
-    found = {_cell_key(r) for r in merged}
-    if len(merged) != len(order) or found != set(order):
-        raise RuntimeError(f"the shards in {out} hold {len(merged)} records for {len(order)} cells (missing "
-                           f"{len(set(order) - found)}, foreign {len(found - set(order))}); was another sweep "
-                           "writing into the same folder?")
-    merged.sort(key=lambda r: order[_cell_key(r)])
-    summary = summarize(merged, lengths, depths)
-    summary["config"] = {**config, "shards": [str(d) for d in dirs]}
-    result = _write_sweep(out, merged, summary, labels, lengths, depths)
-    result.process_index, result.num_processes = rank, n_proc
-    logger.info("merged %d shards into %s", n_proc, out)
-    return result
+    heatmaps: dict = {}
+
+    def write_extra(out: Path, summary: dict, records: list[dict]) -> None:
+        heatmaps.update(_write_heatmaps(out, summary, labels, lengths, depths))
+
+    desc = "niah"
+    result = sweep(cells, run, out=out_dir, resume=resume, overwrite=overwrite, summarize=summarize_all,
+                   report=report, write_extra=write_extra, run_group=run_group, config=config, state=state,
+                   progress=progress, desc=desc)
+    if result.summary is None:  # a non-main process of a sharded sweep: its shard's records only
+        shard_summary = summarize(result.records, lengths, depths)
+        shard_summary["config"] = {**config, "shard": [result.process_index, n_proc]}
+        return NIAHResult(records=result.records, summary=shard_summary, out_dir=result.out_dir,
+                          process_index=result.process_index, num_processes=n_proc)
+    if out_dir is not None:
+        logger.info("wrote %s (%d cells run, %d resumed)", out_dir, result.ran, result.skipped)
+    return NIAHResult(records=result.records, summary=result.summary, out_dir=result.out_dir, heatmaps=heatmaps,
+                      process_index=result.process_index, num_processes=n_proc)
 
 
-def merge_results(in_dirs: Sequence, out_dir) -> NIAHResult:
-    """Merge the ``results.jsonl`` of several NIAH sweeps (e.g. methods run in separate processes) into one folder.
+def merge_results(in_dirs: Sequence, out_dir, *, report=None) -> NIAHResult:
+    """Merge the records of several NIAH sweeps (e.g. methods run in separate processes) into one folder.
 
-    Records are concatenated in the order given; ``summary.json`` (with K/V ratios against ``full`` on the same
-    prompts, wherever ``full`` ran in any of the sweeps) and one heatmap per method are written anew.
+    Records (``results.jsonl`` or ``results.jsonl.gz``; a torn last line is skipped with a warning naming the file)
+    are concatenated in the order given; ``summary.json`` (with K/V ratios against ``full`` on the same prompts,
+    wherever ``full`` ran in any of the sweeps) and one heatmap per method are written anew, atomically. The
+    summary's ``"sweep"`` block says whether the merge is complete: the cells expected are those of every input's
+    ``config`` (methods x lengths x depths x trials), the cells found those with a record; ``complete`` is
+    ``False`` (and a warning is logged) when some are missing.
 
     Parameters
     ----------
@@ -723,21 +676,40 @@ def merge_results(in_dirs: Sequence, out_dir) -> NIAHResult:
         Folders holding ``results.jsonl`` (and ``summary.json``, whose ``config`` is merged).
     out_dir : path
         Output folder (may be one of ``in_dirs``' parents, not one of them).
+    report : callable ``(summary) -> None``, optional
+        Called before anything is written (e.g. to print the table).
 
     Raises
     ------
     FileNotFoundError
         If a folder has no ``results.jsonl``.
     ValueError
-        If a method label appears in two sweeps for the same (length, depth, trial).
+        If a method label appears in two sweeps for the same (length, depth, trial); ``out_dir`` is one of
+        ``in_dirs``, a file or unwritable.
     """
     records, configs = read_sweeps(in_dirs)
-    lengths = sorted({r["extra"]["length"] for r in records})
-    depths = sorted({r["extra"]["depth"] for r in records})
-    summary = summarize(records, lengths, depths)
+    lengths = sorted({r["extra"]["length"] for r in records} | {n for c in configs for n in c.get("lengths", [])})
+    depths = sorted({r["extra"]["depth"] for r in records} | {d for c in configs for d in c.get("depths", [])})
+    expected = {_cell_key(r) for r in records}
+    for c in configs:
+        if all(k in c for k in ("methods", "lengths", "depths", "trials")):
+            expected |= {(label, int(n), float(d), t) for label in c["methods"] for n in c["lengths"]
+                         for d in c["depths"] for t in range(int(c["trials"]))}
     config = dict(configs[0]) if configs else {}
     config.pop("shard", None)
-    config.update(methods=list(summary["methods"]), lengths=lengths, depths=depths,
-                  merged_from=[str(d) for d in in_dirs])
-    summary["config"] = config
-    return _write_sweep(Path(out_dir), records, summary, list(summary["methods"]), lengths, depths)
+    config.pop("shards", None)
+    heatmaps: dict = {}
+
+    def summarize_all(rows: list[dict]) -> dict:
+        summary = summarize(rows, lengths, depths)
+        config.update(methods=list(summary["methods"]), lengths=lengths, depths=depths,
+                      merged_from=[str(d) for d in in_dirs])
+        summary["config"] = config
+        return summary
+
+    def write_extra(out: Path, summary: dict, rows: list[dict]) -> None:
+        heatmaps.update(_write_heatmaps(out, summary, list(summary["methods"]), lengths, depths))
+
+    summary, merged = merge_sweeps(in_dirs, out_dir, summarize=summarize_all, expected=len(expected), key=_cell_key,
+                                   report=report, write_extra=write_extra)
+    return NIAHResult(records=merged, summary=summary, out_dir=Path(out_dir), heatmaps=heatmaps)

@@ -36,7 +36,7 @@ What the harness guarantees
 * **The table before the files**: ``report(summary)`` is called before ``summary.json`` and the plots are written.
 * **Sharding.** Given an accelerate ``state`` with N > 1 processes (:func:`process_state`, under ``accelerate launch``
   or ``torchrun``), unit ``i`` of the interleaved list (a cell, or a group, below) goes to process ``i % N``
-  (:func:`shard_cells`). Each process appends to ``shard-{k}-of-{N}/results.jsonl`` (:func:`shard_dir`); once all have
+  (:func:`shard_cells`; the same split when resumed). Each process appends to ``shard-{k}-of-{N}/results.jsonl`` (:func:`shard_dir`); once all have
   finished, the main process merges them in cell order into ``results.jsonl`` and writes the summary, so the files
   equal a one-process run's except for timings. The output folder must be shared by the processes.
 * **Groups.** Cells of one sample with the same :attr:`Cell.group` (not ``None``) run as one call
@@ -615,10 +615,10 @@ def sweep(
         _check_manifest(out, config, set(ids), found)
     state.wait_for_everyone()  # every process has read the finished set before anyone appends
 
-    order = interleave(cells, rotate=rotate)
-    todo = [c for c in order if c.id not in found]
-    units = _units(todo, grouped=run_group is not None)
-    mine = shard_cells(units, n_proc, rank)
+    # Shard the whole interleaved list, then drop the finished cells: a cell goes to the same process whether or not
+    # the sweep is resumed.
+    units = _units(interleave(cells, rotate=rotate), grouped=run_group is not None)
+    mine = [u for u in ([c for c in unit if c.id not in found] for unit in shard_cells(units, n_proc, rank)) if u]
     run_dir = None if out is None else (shard_dir(out, rank, n_proc) if n_proc > 1 else out)
 
     def clear_old():
