@@ -37,16 +37,27 @@ def _llava_next():
     return LlavaNextForConditionalGeneration(config).eval()
 
 
+ROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+QWEN_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+               "temporal_patch_size": 2}
+QWEN_IDS = {"image_token_id": 60, "video_token_id": 61, "vision_start_token_id": 62, "vision_end_token_id": 63}
+
+
 def _qwen2_vl():
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
-    config = Qwen2VLConfig(
-        text_config={**TEXT, "rope_parameters": rope},
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "mlp_ratio": 2,
-                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
-        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    vision = {**QWEN_VISION, "embed_dim": 32, "mlp_ratio": 2, "in_chans": 3}
+    config = Qwen2VLConfig(text_config={**TEXT, "rope_parameters": ROPE}, vision_config=vision, **QWEN_IDS)
     return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = {**QWEN_VISION, "intermediate_size": 64, "out_hidden_size": 32, "fullatt_block_indexes": [1],
+              "window_size": 56}
+    config = Qwen2_5_VLConfig(text_config={**TEXT, "rope_parameters": ROPE}, vision_config=vision, **QWEN_IDS)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def _llama():
@@ -112,9 +123,10 @@ def test_llava_next_is_anyres():
     assert parts.projector is model.model.multi_modal_projector and parts.language_model is model.model.language_model
 
 
-def test_qwen2_vl_parts():
+@pytest.mark.parametrize("build", [_qwen2_vl, _qwen2_5_vl], ids=["qwen2-vl", "qwen2.5-vl"])
+def test_qwen2_vl_parts(build):
     torch.manual_seed(0)
-    model = _qwen2_vl()
+    model = build()
     parts = find_parts(model)
     assert parts.family == "qwen2_vl" and parts.tower is model.model.visual
     assert parts.projector is model.model.visual.merger
