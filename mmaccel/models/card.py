@@ -1,6 +1,7 @@
 """Model cards for the micro-model zoo, rendered from the training log and the committed NIAH summary."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
     if (niah_dir / "summary.json").exists():
         summary = json.loads((niah_dir / "summary.json").read_text())
         niah_md = niah_table(summary) + "\n\n" + _NIAH_COMMAND.format(name=name, out="niah", lengths="512 1024 2048 4096")
-        niah_md += "\n\nHeatmap: `niah/heatmap_full.png`; per-trial records: `niah/results.jsonl`."
+        niah_md += "\n\nHeatmap: `niah/heatmap_full.png`; per-trial records: `niah/results.jsonl.gz`."
         if (out / "niah_8k" / "summary.json").exists():
             extra = json.loads((out / "niah_8k" / "summary.json").read_text())
             niah_md += "\n\nBeyond the trained lengths (8k):\n\n" + niah_table(extra) + "\n\n"
@@ -243,10 +244,11 @@ def _method_rows(summary: dict) -> list[list]:
 
 def _records_context(folder: Path) -> str:
     """Threads, device and load averages of the records behind a summary, in one sentence."""
-    path = folder / "results.jsonl"
-    if not path.is_file():
+    path = next((p for p in (folder / "results.jsonl", folder / "results.jsonl.gz") if p.is_file()), None)
+    if path is None:
         return ""
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
     loads = sorted(r["load_avg_1m"] for r in recs if r.get("load_avg_1m") is not None)
     threads = sorted({r.get("threads") for r in recs})
     devices = sorted({r.get("device") for r in recs})
@@ -306,9 +308,9 @@ def write_fetched_card(name: str, out_dir: str | Path | None = None) -> Path:
         if folder == "niah":
             for label in summary.get("methods", {}):
                 text += f"\n\n`{label}` by depth (rows) and length (columns):\n\n" + niah_table(summary, label)
-            text += "\n\nHeatmaps: `niah/heatmap_*.png`; per-run records: `niah/results.jsonl`."
+            text += "\n\nHeatmaps: `niah/heatmap_*.png`; per-run records: `niah/results.jsonl.gz`."
         else:
-            text += f"\n\nPer-run records: `{folder}/results.jsonl`."
+            text += f"\n\nPer-run records: `{folder}/results.jsonl.gz`."
         parts.append(text)
     card.write_text(head + "\n" + "\n\n".join(parts) + "\n", encoding="utf-8")
     return card

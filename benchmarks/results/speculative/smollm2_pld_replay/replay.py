@@ -3,10 +3,12 @@ depend only on committed tokens, and the committed tokens are the greedy output)
 without running the model. Cost of a step = measured relative cost of verifying k draft tokens (1 for k = 0).
 
 Usage: python replay.py [COSTS]   (COSTS: comma-separated cost of verifying 1, 2, ... draft tokens)
-Inputs: greedy_outputs.jsonl (made by collect.py: prompts and 128 greedy tokens of smollm2-135m-instruct, 1 thread;
+Inputs: greedy_outputs.jsonl.gz (collect.py's output, gzipped: prompts and 128 greedy tokens of
+smollm2-135m-instruct, 1 thread;
 "tune_*" = 8 chat requests not in spec-bench + spec-bench copy set seed 1, used to shape the policy; "eval_*" =
 spec-bench's free prompts and copy set seed 0). Each generation is cut to 64 new tokens as in the spec-bench runs.
 """
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from mmaccel.speculative.prompt_lookup import PromptLookup
 
 HERE = Path(__file__).parent
-RECORDS = [json.loads(line) for line in (HERE / "greedy_outputs.jsonl").open()]
+RECORDS = [json.loads(line) for line in gzip.open(HERE / "greedy_outputs.jsonl.gz", "rt", encoding="utf-8")]
 # smollm2-135m, 1 thread, process time, context 256 (mmaccel.speculative.schedule.measure_verify_costs, loaded CPU)
 CPU_TABLE = [1.183, 1.318, 1.736, 1.786, 1.85, 2.158, 2.147, 2.222, 2.498, 2.462, 2.533, 2.79, 2.838, 3.001, 2.137,
              2.202, 2.329, 2.27, 2.501, 2.31]

@@ -1,12 +1,13 @@
 """The search behind mmaccel/speculative/skip_sets/smollm2-135m.json (and micro-lm.json).
 
 smollm2-135m: calibration = 4 chat requests and 2 copy-heavy prompts (spec-bench copy set, seed 1: none of the
-benchmark's prompts) with the model's own greedy answers (../smollm2_pld_replay/greedy_outputs.jsonl, made by
+benchmark's prompts) with the model's own greedy answers (../smollm2_pld_replay/greedy_outputs.jsonl.gz, made by
 ../smollm2_pld_replay/collect.py), chat template, 256 tokens each at most; 1 thread.
 micro-lm: the first 8 stdlib_paragraphs("train") longer than 400 characters.
 
 Usage: python search.py OUT_DIR
 """
+import gzip
 import json
 import logging
 import sys
@@ -33,7 +34,8 @@ def main(out: Path) -> None:
     found.save(out / "micro-lm.json")
 
     model, tok = mmaccel.load("smollm2-135m", device="cpu")
-    recs = [json.loads(line) for line in (HERE.parent / "smollm2_pld_replay" / "greedy_outputs.jsonl").open()]
+    greedy = HERE.parent / "smollm2_pld_replay" / "greedy_outputs.jsonl.gz"
+    recs = [json.loads(line) for line in gzip.open(greedy, "rt", encoding="utf-8")]
     chosen = [r for r in recs if r["set"] == "tune_free"][:4] + [r for r in recs if r["set"] == "tune_copy"][:2]
     t0 = time.time()
     found = search_skip_layers(model, [torch.tensor([r["prompt"] + r["output"]]) for r in chosen], max_tokens=256,
