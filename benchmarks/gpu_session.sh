@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh STAGE OUT
 #
-# A call carries at most 64 MiB with the working tree, and the tracked tree is about 57 MiB (micro-models, the
+# A call carries at most 64 MiB with the working tree, and the tracked tree was about 57 MiB (micro-models, the
 # smol-llava projector, results). So, here, before the calls, untrack what no stage reads and ignore it for the
 # while (the files stay on disk; the index is restored after):
 #   T="benchmarks/results assets/app assets/models/smol-llava assets/models/smollm2-135m-eagle assets/models/micro-llava
