@@ -383,7 +383,7 @@ def add_lora(model, rank: int, alpha: float) -> list:
 #: Mixed precision of the training forward and backward (``--autocast``): ``"none"`` computes in the weights' dtype;
 #: ``"bf16"`` runs matrix products in bfloat16 under :func:`torch.autocast` (fp32 master weights and optimizer
 #: state), 1.45x faster per step on the 2-core AVX-512-BF16 CPU (4.6 against 6.7 s for 6 conversations of 294
-#: tokens, smol-llava with LoRA rank 8, quiet machine, 2 threads: ``benchmarks/train_step_autocast.py``).
+#: tokens, smol-llava with LoRA rank 8, quiet machine, 2 threads: ``studies/train_step_autocast/``).
 AUTOCAST = ("none", "bf16")
 
 
