@@ -15,9 +15,10 @@ A spec string is parsed once: :func:`parse_method_spec` returns a :class:`Method
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)

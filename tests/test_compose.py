@@ -3,13 +3,12 @@ wrap themselves), compose() -> one Composition that Pipeline and generate_measur
 (mmaccel.pipeline never imports mmaccel.eval)."""
 import grimp
 import pytest
-import torch
 from tiny_models import random_prompt, tiny_llama
 
 import mmaccel
 import mmaccel.specs
 from mmaccel.eval import generate_measured, measure_pipeline
-from mmaccel.longctx import AdaKV, ChunkKV, Chunked, SnapKV, StreamingLLM
+from mmaccel.longctx import AdaKV, Chunked, ChunkKV, SnapKV, StreamingLLM
 from mmaccel.longctx import build_method as build_kv
 from mmaccel.pipeline import Composition, compose, resolve_kv
 from mmaccel.specs import parse_method_spec

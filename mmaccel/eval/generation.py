@@ -68,13 +68,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..kernels._common import synchronize
+from ..models.parts import vision_tower
 from ..pipeline import (
     Composition,
     check_vision_inputs,
     compose_run,
     generation_kwargs,
     model_inputs_for,
-    split_inputs,
 )
 from .memory import PeakMemory, check_cpu_meter
 
@@ -187,8 +187,8 @@ class RunRecord:
 class _VisionTimer:
     """Seconds spent in the forwards of a model's vision tower, by per-instance forward hooks removed on exit.
 
-    ``seconds`` is ``None`` when the model has no tower (found by attribute: ``vision_tower``, ``visual`` or
-    ``vision_model`` on the model or its inner ``model``) or the tower did not run.
+    ``seconds`` is ``None`` when the model has no tower (:func:`mmaccel.models.parts.vision_tower`) or the tower did
+    not run.
     """
 
     def __init__(self, model, device: torch.device):
@@ -217,18 +217,6 @@ class _VisionTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-
-def vision_tower(model) -> torch.nn.Module | None:
-    """The vision encoder of a vision-language model (``vision_tower`` / ``visual`` / ``vision_model`` on the model or
-    its inner ``model``), or ``None`` for a text-only model."""
-    for owner in (model, getattr(model, "model", None)):
-        for name in ("vision_tower", "visual", "vision_model"):
-            tower = getattr(owner, name, None)
-            if isinstance(tower, torch.nn.Module):
-                return tower
-    return None
 
 
 def _one_run(model, composed: Composition, input_ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict, *,
