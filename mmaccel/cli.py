@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_tome_sweep)
 
-    p = sub.add_parser("app", help="the Gradio workbench (apps/workbench.py; arguments go to it)", add_help=False)
+    p = sub.add_parser("app", help="the Gradio workbench (mmaccel.apps.workbench; arguments go to it)", add_help=False)
     p.add_argument("app_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_app)
 
@@ -585,12 +585,21 @@ def cmd_niah(args) -> int:
 
 
 def cmd_app(args) -> int:
-    """``mmaccel app ...``: run ``python -m apps.workbench`` with the remaining arguments."""
+    """``mmaccel app ...``: run the Gradio workbench (:func:`mmaccel.apps.workbench.main`) with the remaining arguments.
+
+    Raises
+    ------
+    CLIError
+        When gradio is not installed (the fix: ``pip install 'mmaccel[app]'``). Any other import error is a bug in the
+        app and propagates.
+    """
     try:
-        from apps import workbench
-    except ImportError as exc:
-        raise CLIError(f"the app is not available ({exc}): run from the mmaccel repository root, with the `app` "
-                       "extra installed (pip install -e '.[app]')") from exc
+        from .apps import workbench
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("gradio", "gradio_client"):
+            raise
+        raise CLIError(f"the app needs gradio ({exc}): install the `app` extra, pip install 'mmaccel[app]' "
+                       "(from a checkout: pip install -e '.[app]')") from exc
     return int(workbench.main(list(args.app_args)) or 0)
 
 

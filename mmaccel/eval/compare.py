@@ -1,7 +1,9 @@
 """Side-by-side comparison of methods on one input: ``mmaccel.compare`` and ``mmaccel compare``.
 
-Every method runs in turn on the same prompt through :func:`~mmaccel.eval.generation.generate_measured`, so all rows
-have the same fields; the table, the JSON, the charts (:meth:`Comparison.plot`, the same ones the app draws, from
+Every method runs in turn on the same prompt through :func:`~mmaccel.eval.generation.generate_measured` (the KV methods
+that only compress after a full prefill, together through one shared prefill when that is available), on the sweep
+harness (:func:`mmaccel.eval.sweep.sweep`: with ``out_dir`` each record is appended to ``results.jsonl`` as it
+finishes, and ``resume`` reuses the finished ones), so all rows have the same fields; the table, the JSON, the charts (:meth:`Comparison.plot`, the same ones the app draws, from
 :mod:`mmaccel.eval.plots`) and the app are built from those records.
 """
 from __future__ import annotations
@@ -10,11 +12,11 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..pipeline import resolve_methods, split_inputs
 from .generation import RunRecord, generate_measured
 from .haystack import NIAHSample, score_answer, score_answer_contains
+from .sweep import Cell, run_measured_group, save_figure, shares_prefill, sweep, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +84,11 @@ class Comparison:
         return {"answer": self.answer, "inputs": self.inputs, "records": rows}
 
     def to_json(self, path=None, indent: int = 2) -> str:
-        """The comparison as JSON text; also written to ``path`` when given (parent folders are created)."""
+        """The comparison as JSON text; also written to ``path`` when given, atomically (a temp file, then a rename;
+        parent folders are created)."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n", encoding="utf-8")
+            write_atomic(path, text + "\n")
         return text
 
     def plot(self, kind: str = "ratios", path=None):
@@ -132,9 +133,7 @@ class Comparison:
         else:
             raise ValueError(f"unknown plot kind {kind!r}; choose 'ratios' or 'niah'")
         if path is not None:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(path, format="png")
+            save_figure(fig, path)
         return fig
 
     def to_markdown(self) -> str:
@@ -174,6 +173,11 @@ def compare(
     warmup: int = 1,
     answer: str | None = None,
     warmup_inputs=None,
+    out_dir=None,
+    resume: bool = False,
+    overwrite: bool = False,
+    shared_prefill: bool = True,
+    progress: bool | None = None,
 ) -> Comparison:
     """Run each method in turn on the same input and collect one :class:`RunRecord` per method.
 
@@ -194,6 +198,17 @@ def compare(
         and ``extra["correct_contains"]`` (the answer appears anywhere).
     warmup_inputs : prompt, optional
         What warm-up runs use (e.g. a short prompt); default ``inputs`` itself.
+    out_dir : path, optional
+        Append each record to ``out_dir/results.jsonl`` as it finishes (``compare.json`` is the caller's:
+        :meth:`Comparison.to_json`). A non-empty folder is refused unless ``resume`` (reuse the finished methods)
+        or ``overwrite`` (:func:`mmaccel.eval.sweep.check_out_dir`).
+    resume, overwrite : bool
+        See ``out_dir``.
+    shared_prefill : bool
+        Run the KV methods that only compress after a full prefill with one shared prefill (when
+        ``mmaccel.eval.shared`` is installed); ``False``: each separately.
+    progress : bool or None
+        The progress bar (``None``: only on a terminal).
 
     Returns
     -------
@@ -202,8 +217,8 @@ def compare(
     Raises
     ------
     ValueError
-        Before any run: an unknown method or bad method arguments, an empty or batched prompt. A method whose run
-        fails (e.g. out of memory) gets a ``status="failed"`` record and the others still run.
+        Before any run: an unknown method or bad method arguments, an empty or batched prompt, a bad ``out_dir``.
+        A method whose run fails (e.g. out of memory) gets a ``status="failed"`` record and the others still run.
     """
     resolved = resolve_methods(methods)
     info: dict = {}
@@ -214,17 +229,37 @@ def compare(
     ids, _ = split_inputs(inputs, tokenizer)
     info["prompt_tokens"] = int(ids.shape[1])
     prompt = inputs if isinstance(inputs, Mapping) else ids
-    records = []
-    for method, label in resolved:
-        logger.info("compare: running %s on %d tokens", label, ids.shape[1])
-        rec = generate_measured(
-            model, tokenizer, prompt, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
-            warmup=warmup, warmup_ids=warmup_inputs,
-        )
+    fields = {"prompt_tokens": info["prompt_tokens"], **{k: info[k] for k in ("length", "depth") if k in info}}
+    cells = [Cell(label, "input", fields, payload=i,
+                  group="shared-prefill" if shared_prefill and shares_prefill(method) else None)
+             for i, (method, label) in enumerate(resolved)]
+
+    def finish(rec: RunRecord) -> dict:
         if "chat_template" in info:
             rec.extra["chat_template"] = info["chat_template"]
         if answer is not None:
             rec.extra.update(answer=answer, correct=rec.ok and score_answer(rec.output_text, answer),
                              correct_contains=rec.ok and score_answer_contains(rec.output_text, answer))
-        records.append(rec)
+        return rec.to_dict()
+
+    def run(cell: Cell) -> dict:
+        method, label = resolved[cell.payload]
+        logger.info("compare: running %s on %d tokens", label, ids.shape[1])
+        return finish(generate_measured(
+            model, tokenizer, prompt, method=method, label=label, max_new_tokens=max_new_tokens, repeats=repeats,
+            warmup=warmup, warmup_ids=warmup_inputs,
+        ))
+
+    def run_group(group: list[Cell]) -> list[dict]:
+        recs = run_measured_group(model, tokenizer, prompt, [resolved[c.payload] for c in group],
+                                  max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
+                                  warmup_ids=warmup_inputs)
+        return [finish(r) for r in recs]
+
+    config = {"methods": [label for _, label in resolved], "max_new_tokens": max_new_tokens, "repeats": repeats,
+              "warmup": warmup, "answer": answer, **fields}
+    result = sweep(cells, run, out=out_dir, resume=resume, overwrite=overwrite, run_group=run_group, config=config,
+                   progress=progress, desc="compare", rotate=False)
+    known = set(RunRecord.__dataclass_fields__)
+    records = [RunRecord(**{k: v for k, v in r.items() if k in known}) for r in result.records]
     return Comparison(records=records, answer=answer, inputs=info)

@@ -660,7 +660,7 @@ def run_niah(
                       process_index=result.process_index, num_processes=n_proc)
 
 
-def merge_results(in_dirs: Sequence, out_dir, *, report=None) -> NIAHResult:
+def merge_results(in_dirs: Sequence, out_dir, *, report=None, overwrite: bool = False) -> NIAHResult:
     """Merge the records of several NIAH sweeps (e.g. methods run in separate processes) into one folder.
 
     Records (``results.jsonl`` or ``results.jsonl.gz``; a torn last line is skipped with a warning naming the file)
@@ -678,6 +678,8 @@ def merge_results(in_dirs: Sequence, out_dir, *, report=None) -> NIAHResult:
         Output folder (may be one of ``in_dirs``' parents, not one of them).
     report : callable ``(summary) -> None``, optional
         Called before anything is written (e.g. to print the table).
+    overwrite : bool
+        Replace the sweep files of a non-empty ``out_dir`` (refused otherwise).
 
     Raises
     ------
@@ -685,7 +687,7 @@ def merge_results(in_dirs: Sequence, out_dir, *, report=None) -> NIAHResult:
         If a folder has no ``results.jsonl``.
     ValueError
         If a method label appears in two sweeps for the same (length, depth, trial); ``out_dir`` is one of
-        ``in_dirs``, a file or unwritable.
+        ``in_dirs``, a file, unwritable, or not empty without ``overwrite``.
     """
     records, configs = read_sweeps(in_dirs)
     lengths = sorted({r["extra"]["length"] for r in records} | {n for c in configs for n in c.get("lengths", [])})
@@ -711,5 +713,5 @@ def merge_results(in_dirs: Sequence, out_dir, *, report=None) -> NIAHResult:
         heatmaps.update(_write_heatmaps(out, summary, list(summary["methods"]), lengths, depths))
 
     summary, merged = merge_sweeps(in_dirs, out_dir, summarize=summarize_all, expected=len(expected), key=_cell_key,
-                                   report=report, write_extra=write_extra)
+                                   report=report, write_extra=write_extra, overwrite=overwrite)
     return NIAHResult(records=merged, summary=summary, out_dir=Path(out_dir), heatmaps=heatmaps)

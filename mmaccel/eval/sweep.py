@@ -169,7 +169,8 @@ def _units(cells: Sequence[Cell], grouped: bool) -> list[list[Cell]]:
 
 # --------------------------------------------------------------------------------------------------------- out dir
 def check_out_dir(out, *, resume: bool = False, overwrite: bool = False, flag: str = "--out") -> Path:
-    """Check an output folder before anything is loaded or written; writes nothing, creates nothing.
+    """Check an output folder before anything is loaded or written; creates nothing and leaves nothing behind (the
+    write test is a temp file, deleted at once).
 
     Parameters
     ----------
@@ -204,7 +205,14 @@ def check_out_dir(out, *, resume: bool = False, overwrite: bool = False, flag: s
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise ValueError(f"{flag} {str(path)!r} cannot be created: {str(probe)!r} is a file; pass a folder path")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    denied = not os.access(probe, os.W_OK | os.X_OK)
+    if not denied:  # os.access says yes to root everywhere: try a temp file (deleted at once) where it would go
+        try:
+            with tempfile.TemporaryFile(dir=probe):
+                pass
+        except OSError:
+            denied = True
+    if denied:
         raise ValueError(f"{flag} {str(path)!r} is not writable ({str(probe)!r} denies writing); pass a folder you "
                          "can write to")
     if path.is_dir() and not (resume or overwrite):
@@ -792,7 +800,8 @@ def read_sweeps(in_dirs: Sequence, key: Callable[[dict], Any] | None = None) -> 
 def merge_sweeps(in_dirs: Sequence, out, *, summarize: Callable[[list[dict]], dict],
                  expected: int | None = None, key: Callable[[dict], Any] | None = None,
                  report: Callable[[dict], None] | None = None,
-                 write_extra: Callable[[Path, dict, list[dict]], Any] | None = None) -> tuple[dict, list[dict]]:
+                 write_extra: Callable[[Path, dict, list[dict]], Any] | None = None,
+                 overwrite: bool = False) -> tuple[dict, list[dict]]:
     """Merge several sweep folders into ``out``: ``results.jsonl``, ``summary.json`` (with the ``"sweep"`` block
     saying whether every expected cell was found) and ``write_extra``'s files, all written atomically.
 
@@ -807,6 +816,8 @@ def merge_sweeps(in_dirs: Sequence, out, *, summarize: Callable[[list[dict]], di
         (or the records found, when no folder has one).
     key, report, write_extra
         As in :func:`read_sweeps` and :func:`sweep`.
+    overwrite : bool
+        Replace the sweep files of a non-empty ``out`` (otherwise it is refused).
 
     Returns
     -------
@@ -815,12 +826,13 @@ def merge_sweeps(in_dirs: Sequence, out, *, summarize: Callable[[list[dict]], di
     Raises
     ------
     FileNotFoundError, ValueError
-        As :func:`read_sweeps`; ``out`` is one of ``in_dirs``, a file, or unwritable.
+        As :func:`read_sweeps`; ``out`` is one of ``in_dirs``, a file, unwritable, or not empty without
+        ``overwrite`` (all before anything is written).
     """
     out = Path(out)
     if any(Path(d).resolve() == out.resolve() for d in in_dirs):
         raise ValueError(f"--out {str(out)!r} is one of the folders merged; pass another folder")
-    check_out_dir(out, overwrite=True)
+    check_out_dir(out, overwrite=overwrite)
     merged = read_sweeps(in_dirs, key=key)
     n_expected = expected if expected is not None else (len(merged.expected) or len(merged.records))
     summary = summarize(merged.records)
@@ -829,6 +841,8 @@ def merge_sweeps(in_dirs: Sequence, out, *, summarize: Callable[[list[dict]], di
         logger.warning("the merged sweep is incomplete: %d of %d cells found", len(merged.records), n_expected)
     if report is not None:
         report(summary)
+    if overwrite and out.is_dir():
+        _remove_outputs(out)
     write_atomic(out / RESULTS, "".join(json.dumps(r) + "\n" for r in merged.records))
     write_json(out / SUMMARY, summary)
     if write_extra is not None:
