@@ -1,6 +1,6 @@
 """Configuration columns: a method dropdown with a form generated from the registry class, and the outputs under it.
 
-:func:`method_column` builds one column (its fields come from :mod:`apps.forms`, so a method added to a registry
+:func:`method_column` builds one column (its fields come from :mod:`mmaccel.apps.forms`, so a method added to a registry
 appears here with no edit); :func:`column_row` builds 4 of them with the "columns" radio; :func:`column_outputs`
 builds the aligned output row (an HTML output, a metrics table and optionally an image per column).
 """
@@ -70,7 +70,7 @@ def method_column(tab: str, index: int, registry: Mapping[str, type], default: s
     Raises
     ------
     ValueError
-        If an ``initial`` value does not fit its field (see :func:`apps.forms.compose_spec`).
+        If an ``initial`` value does not fit its field (see :func:`mmaccel.apps.forms.compose_spec`).
     """
     extra, initial = dict(extra or {}), dict(initial or {})
     names = list(extra) + forms.unique_names(registry)

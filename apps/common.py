@@ -5,7 +5,7 @@
   the preset models;
 - :class:`Request` holds one request's columns (specs, results) and the steps every column handler repeats: load the
   model (an error in each column when it fails), fail every column, lay out ``[status, (html, metrics) x 4, ...]``;
-- :class:`Tab` is the base of the tabs in :mod:`apps.tabs` (a title, an id, :meth:`Tab.build`);
+- :class:`Tab` is the base of the tabs in :mod:`mmaccel.apps.tabs` (a title, an id, :meth:`Tab.build`);
 - :class:`ColumnResult` is what one column shows: an HTML body (the output or an error) and its metric rows;
   :func:`error_html`, :func:`text_html`, :func:`metrics_table` and :func:`ratio_figure` render it.
 
@@ -323,7 +323,7 @@ class Request:
 
 
 class Tab:
-    """Base of a workbench tab (:mod:`apps.tabs`): its handlers are methods, :meth:`build` lays it out.
+    """Base of a workbench tab (:mod:`mmaccel.apps.tabs`): its handlers are methods, :meth:`build` lays it out.
 
     Attributes
     ----------

@@ -9,7 +9,7 @@ the help text. :func:`compose_spec` turns the values of a filled form back into 
 (``snapkv:budget=256:window=16``), the one syntax the CLI, the Python API and the app share. No form is written by
 hand, so a method added to a registry appears in the app with its own fields.
 
-Nothing here imports gradio; :mod:`apps.workbench` builds components from the fields.
+Nothing here imports gradio; :mod:`mmaccel.apps.workbench` builds components from the fields.
 """
 from __future__ import annotations
 

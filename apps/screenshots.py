@@ -1,13 +1,13 @@
-"""Screenshots of the workbench on real checkpoints, for the README: ``python -m apps.screenshots``.
+"""Screenshots of the workbench on real checkpoints, for the README: ``python -m mmaccel.apps.screenshots``.
 
-Launches the app (:func:`apps.workbench.build_app`) on the given models, drives it with Playwright and Debian's
+Launches the app (:func:`mmaccel.apps.workbench.build_app`) on the given models, drives it with Playwright and Debian's
 chromium (never ``playwright install``), runs a two- or three-column comparison in the Generation, Long context and
 Image & video QA tabs, and saves one PNG per tab. It checks the same things as ``tests/test_app_browser.py`` (outputs
 and metrics tables appear) and fails loudly otherwise, so a screenshot never shows an empty or failed run.
 
 Usage::
 
-    python -m apps.screenshots --model smollm2-135m --vlm-model smol-llava --threads 2 --out assets/app
+    python -m mmaccel.apps.screenshots --model smollm2-135m --vlm-model smol-llava --threads 2 --out assets/app
 
 On 2 CPU cores the three tabs take a few minutes (the real models run every column after a warm-up).
 """
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         raise SystemExit("needs Debian's chromium: apt-get install -y chromium")
     import torch
 
-    from apps.workbench import build_app
+    from .workbench import build_app
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

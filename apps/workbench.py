@@ -1,14 +1,15 @@
 """The mmaccel workbench: a Gradio app that runs 2 to 4 configurations side by side and measures each one fairly.
 
-Launch it with ``python -m apps.workbench`` (127.0.0.1:7860 by default; ``--host``, ``--port``, ``--share``,
-``--device``, ``--threads``, ``--max-upload-mb``) or ``mmaccel app``. Tests build it with :func:`build_app` and query
-it with ``gradio_client``.
+Launch it with ``mmaccel app`` or ``python -m mmaccel.apps.workbench`` (127.0.0.1:7860 by default; ``--host``,
+``--port``, ``--share``, ``--device``, ``--threads``, ``--max-upload-mb``); from a checkout, ``python -m
+apps.workbench`` at the repository root also works. Tests build it with :func:`build_app` and query it with
+``gradio_client``.
 
 Everything a column offers comes from a registry: the method dropdown lists ``mmaccel.longctx.METHODS`` (or
 ``mmaccel.speculative.METHODS``, ``mmaccel.vision_tokens.METHODS``), and the parameter fields under it are generated
-from the method class's constructor signature and docstring (:mod:`apps.forms`), so a method added to a registry
-appears here with no edit. A filled form is shown as its method spec (``snapkv:budget=256``), which is also what the
-endpoints take.
+from the method class's constructor signature and docstring (:mod:`mmaccel.apps.forms`), so a method added to a
+registry appears here with no edit. A filled form is shown as its method spec (``snapkv:budget=256``), which is also
+what the endpoints take.
 
 Fair timing: every measured endpoint shares one queue slot (concurrency 1), so two requests never run at once; inside
 a request the configurations run one after another on the same input, each after a warm-up run. Results stream in
@@ -17,11 +18,12 @@ run); the Stop button cancels between columns.
 
 Layout of the package:
 
-- :mod:`apps.common` -- the model cache, the request context, a column's result and its rendering;
-- :mod:`apps.columns` -- configuration columns with generated forms, and the output row under them;
-- :mod:`apps.prompts`, :mod:`apps.streaming`, :mod:`apps.vision_encoder`, :mod:`apps.overlay` -- inputs, token
-  streaming, the vision-encoder runner and the token overlay;
-- :mod:`apps.tabs` -- one module per tab (:data:`apps.tabs.TABS`), each with its handlers and its layout.
+- :mod:`mmaccel.apps.common` -- the model cache, the request context, a column's result and its rendering;
+- :mod:`mmaccel.apps.columns` -- configuration columns with generated forms, and the output row under them;
+- :mod:`mmaccel.apps.prompts`, :mod:`mmaccel.apps.streaming`, :mod:`mmaccel.apps.vision_encoder`,
+  :mod:`mmaccel.apps.overlay` -- inputs, token streaming, the vision-encoder runner and the token overlay;
+- :mod:`mmaccel.apps.tabs` -- one module per tab (:data:`mmaccel.apps.tabs.TABS`), each with its handlers and its
+  layout.
 
 Endpoints (``api_name``): ``longctx``, ``niah_document``, ``generation``, ``niah_eval``, ``vision_sweep``,
 ``spec_bench``, ``kernels``, ``vision``.
@@ -143,8 +145,8 @@ def build_app(default_model: str = "smollm2-135m", *, vision_model: str = "dinov
 
 # ------------------------------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m apps.workbench`` flags."""
-    p = argparse.ArgumentParser(prog="python -m apps.workbench", description="The mmaccel Gradio workbench.")
+    """The ``mmaccel app`` (``python -m mmaccel.apps.workbench``) flags."""
+    p = argparse.ArgumentParser(prog="mmaccel app", description="The mmaccel Gradio workbench.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--share", action="store_true", help="also open a public Gradio share link")

@@ -8,7 +8,6 @@ import dataclasses
 import inspect
 import json
 import re
-import sys
 import types
 from pathlib import Path
 
@@ -17,13 +16,9 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `pytest` without `python -m` does not put the repo root on sys.path
-    sys.path.insert(0, str(ROOT))
-
-from apps import forms
-from apps.tabs import TABS
-from apps.workbench import build_app
+from mmaccel.apps import forms
+from mmaccel.apps.tabs import TABS
+from mmaccel.apps.workbench import build_app
 from mmaccel.longctx import METHODS as KV_METHODS
 from mmaccel.longctx import build_method
 from mmaccel.specs import accepted_keys
@@ -165,7 +160,7 @@ def test_a_new_method_gets_a_form_with_no_app_edit():
     fields = forms.method_fields(NewPolicy)
     assert [(f.name, f.kind, f.minimum) for f in fields] == [("keep", "int", 2.0), ("mode", "choice", None)]
     with gr.Blocks():
-        from apps.workbench import method_column
+        from mmaccel.apps.workbench import method_column
 
         col = method_column("t", 0, {"new": NewPolicy}, "new")
     assert len(col.inputs["new"][1]) == 2
@@ -370,7 +365,7 @@ def test_vision_overlay_colours_merged_greys_pruned_and_keeps_the_rest():
     import numpy as np
     from PIL import Image
 
-    from apps.workbench import scaled_view, token_overlay
+    from mmaccel.apps.workbench import scaled_view, token_overlay
 
     rng = np.random.default_rng(0)
     view = Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))  # 4 x 4 patches of 7 px
@@ -454,7 +449,7 @@ def test_token_stream_yields_growing_text_and_stops_its_thread_when_closed():
     import threading
 
     import mmaccel
-    from apps.streaming import TokenStream
+    from mmaccel.apps.streaming import TokenStream
     from mmaccel.pipeline import resolve_method
 
     model, tok = mmaccel.load("micro-lm", device="cpu")
@@ -557,10 +552,10 @@ def test_errors_in_the_other_tabs_stay_in_their_columns(app):
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def test_mmaccel_app_builds_the_workbench_and_launches_it(monkeypatch):
-    """``mmaccel app ARGS`` runs ``apps.workbench.main(ARGS)``: the flags reach ``build_app`` and ``launch``."""
+    """``mmaccel app ARGS`` runs ``mmaccel.apps.workbench.main(ARGS)``: the flags reach ``build_app`` and ``launch``."""
     import torch
 
-    from apps import workbench
+    from mmaccel.apps import workbench
     from mmaccel.cli import main
 
     launched = {}

@@ -4,7 +4,6 @@ tab's functions directly. Greedy SJD must paint exactly the autoregressive pictu
 from __future__ import annotations
 
 import html
-import sys
 import types
 from pathlib import Path
 
@@ -14,13 +13,9 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `pytest` without `python -m` does not put the repo root on sys.path
-    sys.path.insert(0, str(ROOT))
-
-from apps import forms
-from apps.common import AppContext, ModelCache
-from apps.tabs.ar_generation import (
+from mmaccel.apps import forms
+from mmaccel.apps.common import AppContext, ModelCache
+from mmaccel.apps.tabs.ar_generation import (
     DEFAULT_PROMPTS,
     ARGenerationTab,
     ar_methods,
@@ -39,12 +34,12 @@ KEYS = ("seconds", "tokens/s", "target forwards", "mean accepted length", "forwa
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The workbench launched on a free local port, with the tab: ``.client`` (gradio_client), ``.demo``."""
-    import apps.workbench
+    import mmaccel.apps.workbench
 
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("argen")
-    demo = apps.workbench.build_app("micro-lm", device="cpu", work_dir=tmp / "work")
+    demo = mmaccel.apps.workbench.build_app("micro-lm", device="cpu", work_dir=tmp / "work")
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), demo=demo, tmp=tmp)

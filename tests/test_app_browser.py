@@ -13,7 +13,6 @@ import argparse
 import inspect
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,10 @@ if not Path(CHROMIUM).exists():
 from playwright.sync_api import expect, sync_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
-from apps.workbench import build_app
+from mmaccel.apps.workbench import build_app
 
 SHOTS = ROOT / "runs" / "screenshots"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

@@ -4,23 +4,17 @@ frames, the kept-token overlays, and errors that stay in their columns while the
 from __future__ import annotations
 
 import re
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `pytest` without `python -m` does not put the repo root on sys.path
-    sys.path.insert(0, str(ROOT))
-
 from test_app import save_tiny_vlm  # tests/ is on sys.path (rootdir conftest)
 
-from apps import workbench
-from apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, kept_slots
+from mmaccel.apps import workbench
+from mmaccel.apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, kept_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

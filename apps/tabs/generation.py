@@ -1,9 +1,9 @@
 """The Generation tab (endpoint ``/generation``): greedy decoding of one prompt, each column the autoregressive baseline
 or a drafter of :data:`mmaccel.speculative.METHODS`; accepted draft tokens are coloured.
 
-Per column the text first streams from an untimed pass (:class:`apps.streaming.TokenStream`); then the measured run
-(:func:`mmaccel.eval.generate_measured`, one warm-up, ``repeats`` timed runs) replaces it and fills the metrics. No
-number shown comes from the streamed pass.
+Per column the text first streams from an untimed pass (:class:`mmaccel.apps.streaming.TokenStream`); then the
+measured run (:func:`mmaccel.eval.generate_measured`, one warm-up, ``repeats`` timed runs) replaces it and fills the
+metrics. No number shown comes from the streamed pass.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Vision encoder tab (endpoint ``/vision``): one image through a vision encoder (``dinov2-small`` by default)
 under each column's :data:`mmaccel.vision_tokens.METHODS` method; per column the merged / pruned patches overlaid on
-the image (:mod:`apps.overlay`), tokens kept, encoder seconds, throughput ratio and cosines to the unmodified encoder.
+the image (:mod:`mmaccel.apps.overlay`), tokens kept, encoder seconds, throughput ratio and cosines to the unmodified
+encoder.
 """
 from __future__ import annotations
 
