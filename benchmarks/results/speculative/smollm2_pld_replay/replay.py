@@ -18,7 +18,7 @@ import torch
 from mmaccel.speculative.prompt_lookup import PromptLookup
 
 HERE = Path(__file__).parent
-RECORDS = [json.loads(line) for line in gzip.open(HERE / "greedy_outputs.jsonl.gz", "rt", encoding="utf-8")]
+RECORDS = [json.loads(line) for line in gzip.decompress((HERE / "greedy_outputs.jsonl.gz").read_bytes()).splitlines()]
 # smollm2-135m, 1 thread, process time, context 256 (mmaccel.speculative.schedule.measure_verify_costs, loaded CPU)
 CPU_TABLE = [1.183, 1.318, 1.736, 1.786, 1.85, 2.158, 2.147, 2.222, 2.498, 2.462, 2.533, 2.79, 2.838, 3.001, 2.137,
              2.202, 2.329, 2.27, 2.501, 2.31]

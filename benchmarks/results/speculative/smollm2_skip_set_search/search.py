@@ -35,7 +35,7 @@ def main(out: Path) -> None:
 
     model, tok = mmaccel.load("smollm2-135m", device="cpu")
     greedy = HERE.parent / "smollm2_pld_replay" / "greedy_outputs.jsonl.gz"
-    recs = [json.loads(line) for line in gzip.open(greedy, "rt", encoding="utf-8")]
+    recs = [json.loads(line) for line in gzip.decompress(greedy.read_bytes()).splitlines()]
     chosen = [r for r in recs if r["set"] == "tune_free"][:4] + [r for r in recs if r["set"] == "tune_copy"][:2]
     t0 = time.time()
     found = search_skip_layers(model, [torch.tensor([r["prompt"] + r["output"]]) for r in chosen], max_tokens=256,
