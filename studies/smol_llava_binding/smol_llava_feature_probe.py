@@ -63,7 +63,8 @@ def probe(x_train, y_train, x_test, y_test, classes: int) -> float:
 
 def parse_and_load(p: argparse.ArgumentParser):
     """Add ``--threads`` and ``--out`` to a probe's parser, parse, set the threads and seed 0, load ``smol-llava``;
-    returns ``(args, vision tower, processor)``. Shared with ``scene_binding_probe.py``."""
+    returns ``(args, vision tower, processor)``; ``args.vision_feature_layer`` is the layer the projector reads.
+    Shared with ``scene_binding_probe.py``."""
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -71,6 +72,7 @@ def parse_and_load(p: argparse.ArgumentParser):
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, processor = mmaccel.load("smol-llava", device="cpu")
+    a.vision_feature_layer = int(model.config.vision_feature_layer)
     return a, model.model.vision_tower, processor
 
 
@@ -91,7 +93,7 @@ def main() -> None:
         rows.append(row)
         print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v:2d}" for k, v in row.items()), flush=True)
     out = {"train_scenes": a.train, "test_scenes": a.test, "train_objects": len(ytr), "test_objects": len(yte),
-           "projector_reads_layer": int(model.config.vision_feature_layer) % xtr.shape[1],
+           "projector_reads_layer": a.vision_feature_layer % xtr.shape[1],
            "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
            "rows": rows}
     if a.out:
