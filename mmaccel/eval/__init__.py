@@ -1,6 +1,7 @@
 """mmaccel.eval: measured generation, the NIAH harness and side-by-side comparisons.
 
 - :func:`generate_measured` -- the one generation path; returns a :class:`RunRecord` per run.
+- :func:`measure_pipeline`, :func:`compare_pieces` -- a :class:`mmaccel.Pipeline` measured, whole or piece by piece.
 - :func:`compare` -- several methods on one input -> :class:`Comparison` (table + JSON).
 - :func:`run_niah` -- a length x depth NIAH sweep -> ``results.jsonl``, ``summary.json``, heatmaps.
 """
