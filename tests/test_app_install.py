@@ -77,6 +77,20 @@ def test_the_editable_install_maps_mmaccel_apps_to_the_apps_folder():
     assert Path(mmaccel.apps.__file__).resolve() == ROOT / "apps" / "__init__.py"
 
 
+def test_mmaccel_app_without_gradio_names_the_extra(monkeypatch, capsys):
+    """Without gradio, ``mmaccel app`` exits 2 with one line naming the fix; it does not blame the working directory."""
+    import mmaccel
+    from mmaccel.cli import main
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # `import gradio` raises ModuleNotFoundError(name="gradio")
+    for name in [m for m in sys.modules if m == "mmaccel.apps" or m.startswith("mmaccel.apps.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(mmaccel, "apps", raising=False)
+    assert main(["app", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'mmaccel[app]'" in err and "repository root" not in err, err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
