@@ -552,6 +552,9 @@ class KVMethodCache(DynamicCache):
         A cache for draft-and-verify decoding (only methods with ``supports_speculative``): the method sees each
         layer's first forward (the prefill) only; later forwards (verifications of drafts) just append, and the
         layers are croppable, so the engine can drop rejected draft tokens exactly.
+    attach : bool
+        Attach the hooks (default). ``False`` builds the layers only, for a cache that another cache's hooks fill
+        (the shared prefill of :mod:`mmaccel.longctx.shared_prefill`).
 
     Attributes
     ----------
@@ -566,7 +569,7 @@ class KVMethodCache(DynamicCache):
     is garbage-collected (they hold only a weak reference to it). A hook ignores forwards with another cache.
     """
 
-    def __init__(self, model: torch.nn.Module, method: "KVMethod", *, speculative: bool = False):
+    def __init__(self, model: torch.nn.Module, method: "KVMethod", *, speculative: bool = False, attach: bool = True):
         super().__init__(config=model.config)
         for i, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
@@ -577,7 +580,7 @@ class KVMethodCache(DynamicCache):
         self._prefilled: set[int] = set()
         self.warnings: list[str] = []
         self._hooks: list = []
-        if method.uses_hooks:
+        if method.uses_hooks and attach:
             self._attach(model)
         self._finalizer = weakref.finalize(self, _remove_handles, self._hooks)
 
@@ -695,6 +698,10 @@ class KVMethod:
     supports_speculative : bool (class)
         Whether the method evicts at prefill only, so that ``make_cache(model, speculative=True)`` gives a cache the
         speculative engine can crop (SnapKV, PyramidKV, KNorm).
+    prefill_is_full : bool (class)
+        Whether the method's prefill forward computes exactly full attention and the method only chooses what to keep
+        afterwards (in ``make_layer``'s ``update`` and ``on_step``), so that one shared full-attention prefill can
+        serve it (:mod:`mmaccel.longctx.shared_prefill`). False (the default) for methods that change the prefill.
     """
 
     method_name: ClassVar[str] = "kv-method"
@@ -703,6 +710,7 @@ class KVMethod:
     supports_chunking: ClassVar[bool] = True
     chunking_error: ClassVar[str] = ""
     supports_speculative: ClassVar[bool] = False
+    prefill_is_full: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

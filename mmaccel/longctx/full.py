@@ -19,6 +19,7 @@ class FullAttention(KVMethod):
     """
 
     method_name = "full"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     uses_hooks = False
     padding_safe = True
 

@@ -78,6 +78,7 @@ class H2O(KVScorer):
     recent: int = 32
 
     method_name = "h2o"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     evicts_on_decode = True
 
     def __post_init__(self):

@@ -30,6 +30,7 @@ class KNorm(KVScorer):
     """
 
     method_name = "knorm"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     supports_speculative = True  # prefill-only: the speculative engine can crop its decode slots
 
     def score(self, step: LayerStep) -> torch.Tensor:

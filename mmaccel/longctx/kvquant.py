@@ -209,6 +209,7 @@ class KVQuant(KVMethod):
     method: object = "full"
 
     method_name = "kvquant"
+    prefill_is_full = True  # full-precision prefill, then evict (prefill-time only) and quantize
 
     @property
     def supports_chunking(self) -> bool:

@@ -62,6 +62,7 @@ class PyramidKV(SnapKV):
     beta: int = 20
 
     method_name = "pyramidkv"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
 
     def __post_init__(self):
         super().__post_init__()

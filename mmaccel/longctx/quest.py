@@ -210,6 +210,7 @@ class Quest(KVMethod):
     group: str = "mean"
 
     method_name = "quest"
+    prefill_is_full = True  # dense prefill; pages are bounded in update and read sparsely at decode only
     uses_hooks = False
 
     def __post_init__(self):

@@ -125,6 +125,7 @@ class SnapKV(KVScorer):
     group: str = "mean"
 
     method_name = "snapkv"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     supports_speculative = True  # prefill-only: the speculative engine can crop its decode slots
 
     def __post_init__(self):

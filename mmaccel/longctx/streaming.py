@@ -46,6 +46,7 @@ class StreamingLLM(KVScorer):
     sink: int = 4
 
     method_name = "streaming"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     evicts_on_decode = True
 
     def __post_init__(self):

@@ -32,6 +32,7 @@ class TOVA(KVScorer):
     """
 
     method_name = "tova"
+    prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     evicts_on_decode = True
 
     def score(self, step: LayerStep) -> torch.Tensor:

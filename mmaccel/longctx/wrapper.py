@@ -64,6 +64,11 @@ class ScorerWrapper(KVScorer):
     def evicts_on_decode(self) -> bool:
         return self.method.evicts_on_decode
 
+    @property
+    def prefill_is_full(self) -> bool:
+        """The wrapped scorer's: a wrapper only changes which slots are kept."""
+        return self.method.prefill_is_full
+
     # the wrapped scorer decides what and how much
     def observe(self, step: LayerStep) -> None:
         self.method.observe(step)

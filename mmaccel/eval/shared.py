@@ -1,0 +1,262 @@
+"""Measured generation of a group of KV-cache methods that share one full-attention prefill.
+
+:func:`generate_shared` is :func:`mmaccel.eval.generation.generate_measured` for every method whose prefill is full
+attention (:func:`mmaccel.longctx.shared_prefill.shares_prefill`): per run it prefills the prompt once
+(:class:`~mmaccel.longctx.shared_prefill.SharedPrefill`, each method scoring and keeping its own copy of every
+layer's K/V), then decodes each method's cache on its own with ``model.generate``. It returns one
+:class:`~mmaccel.eval.generation.RunRecord` per method, with the output a separate run would give (greedy: token
+identical, tested) and timings that say what they are.
+
+Timing
+------
+On CUDA every timestamp is taken after ``torch.cuda.synchronize``.
+
+- ``extra["shared_prefill_s"]``: the one prefill forward (``generate(..., max_new_tokens=1)`` with the fan-out cache,
+  the first token's logits and choice included) minus every member's own work in it; the same for all records of a
+  run, seconds.
+- ``extra["compress_s"]``: this method's own work during the prefill (copying each layer's K/V into its cache,
+  scoring, keeping), summed over layers, seconds.
+- ``ttft_s`` = ``shared_prefill_s + compress_s``: the time to first token this method would have had with the
+  prefill to itself; ``prefill_s`` equals it (text only, no vision tower).
+- ``decode_s``: this method's own decode, ``generate`` from the prompt plus the first token over its prefilled cache
+  (``new_tokens - 1`` forwards); ``tokens_per_s = (new_tokens - 1) / decode_s``.
+- ``extra["shared_group_s"]``: the whole prefill forward with every member's work (what the group paid once).
+
+Every timing is the median over ``repeats`` runs after ``warmup`` unrecorded ones; per-run values are in
+``samples``. ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` are :func:`mmaccel.longctx.kv_cache_bytes` of the
+method's cache after the prefill and at the end, as ``generate_measured`` reports them. ``peak_memory_bytes`` is not
+measured (``peak_memory_method="unavailable"``): the prefill's peak belongs to the group, not to one method.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..kernels._common import synchronize
+from ..kernels.hf import cache_kwarg
+from ..longctx import build_method, kv_cache_bytes
+from ..longctx.shared_prefill import SharedPrefill, shares_prefill
+from ..pipeline import generation_kwargs, model_inputs_for
+from .generation import RunRecord, load_average, median_or_none
+
+logger = logging.getLogger(__name__)
+
+_TIMED = ("ttft_s", "decode_s", "tokens_per_s", "prefill_s", "shared_prefill_s", "compress_s", "shared_group_s")
+
+
+def _resolve(methods) -> list[tuple[object, str]]:
+    """``[(KVMethod, label)]`` from the ``methods`` argument; ``ValueError`` naming the fix for anything else."""
+    if not isinstance(methods, (list, tuple)) or not methods:
+        raise ValueError("methods must be a non-empty list of (method, label) pairs, e.g. [(SnapKV(budget=256), "
+                         "'snapkv:budget=256')]")
+    resolved = []
+    for item in methods:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"each entry of methods is a (method, label) pair, got {item!r}")
+        method, label = item
+        method = build_method(method) if isinstance(method, str) else method
+        if not shares_prefill(method):
+            name = getattr(method, "name", type(method).__name__)
+            raise ValueError(f"{label or name}: {name} does not share a full-attention prefill (it changes the prefill "
+                             "itself, or is not a KV-cache method); measure it alone with generate_measured(..., "
+                             "method=...)")
+        resolved.append((method, str(label) if label else method.spec))
+    return resolved
+
+
+def _eos_ids(gen_kwargs: dict) -> set[int]:
+    eos = gen_kwargs.get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict) -> list[dict]:
+    """One shared prefill of ``ids`` [1, L] and each member's decode; a dict per member (``error`` set if its decode
+    raised). Raises what the shared prefill raises."""
+    device = ids.device
+    shared = SharedPrefill([m for m, _ in members])
+    mask = torch.ones_like(ids)
+    leader = shared.make_cache(model)
+    try:
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **cache_kwarg(model, leader, generate=True), max_new_tokens=1,
+                             **gen_kwargs)
+        synchronize(device)
+        group_s = time.perf_counter() - t0
+    finally:
+        leader.close()
+    first = out[:, ids.shape[1]:]
+    shared_s = max(0.0, group_s - sum(shared.compress_s))
+    stop = max_new_tokens == 1 or int(first[0, 0]) in _eos_ids(gen_kwargs)
+    continued = torch.cat([ids, first], dim=1)
+    runs = []
+    for i, (method, _) in enumerate(members):
+        run = {"shared_prefill_s": shared_s, "compress_s": shared.compress_s[i], "shared_group_s": group_s,
+               "error": None}
+        run["ttft_s"] = run["prefill_s"] = shared_s + shared.compress_s[i]
+        cache = None
+        try:
+            cache = shared.decode_cache(i, model)
+            run["kv_cache_bytes_prefill"] = kv_cache_bytes(cache)
+            new_ids = first[0].tolist()
+            decode_s = 0.0
+            if not stop:
+                synchronize(device)
+                t0 = time.perf_counter()
+                more = model.generate(continued, attention_mask=torch.ones_like(continued),
+                                      **cache_kwarg(model, cache, generate=True), max_new_tokens=max_new_tokens - 1,
+                                      **gen_kwargs)
+                synchronize(device)
+                decode_s = time.perf_counter() - t0
+                new_ids = more[0, ids.shape[1]:].tolist()
+            n = len(new_ids)
+            run.update(new_ids=new_ids, decode_s=decode_s,
+                       tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                       kv_cache_bytes_final=kv_cache_bytes(cache),
+                       telemetry=method.telemetry(cache) if hasattr(method, "telemetry") else {})
+        except Exception as exc:  # one member's failed decode is its record's, the others go on
+            run["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            close = getattr(cache, "close", None)
+            if callable(close):
+                close()
+        runs.append(run)
+    return runs
+
+
+def generate_shared(
+    model,
+    tokenizer,
+    input_ids,
+    *,
+    methods: list,
+    max_new_tokens: int = 16,
+    repeats: int = 1,
+    warmup: int = 1,
+    warmup_ids=None,
+    temperature: float = 0.0,
+    raise_errors: bool = False,
+) -> list[RunRecord]:
+    """Generate from one prompt with every method of a group that shares one full-attention prefill, and measure it.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A Hugging Face causal LM whose decoder layers are all full attention; run under ``torch.inference_mode``.
+    tokenizer : a Hugging Face tokenizer or None
+        Decodes the outputs; supplies EOS/pad when the model's generation config has none.
+    input_ids : str, list of int, torch.Tensor [L] or [1, L], or an object with ``input_ids``
+        One text prompt (batch size 1), as :func:`~mmaccel.eval.generation.generate_measured` takes it.
+    methods : list of (method, label)
+        The group: KV-cache methods (objects or spec strings) with ``shares_prefill(method)`` True, and the label of
+        each record (``None`` = the method's spec).
+    max_new_tokens : int
+        Upper bound of generated tokens per method, >= 1; each method stops early at EOS.
+    repeats : int
+        Measured runs, >= 1; timings are their medians.
+    warmup : int
+        Unrecorded runs before the measured ones, >= 0.
+    warmup_ids : prompt, optional
+        What the warm-up runs use (e.g. a short prompt). Default: ``input_ids``.
+    temperature : float
+        ``0`` = greedy (token-identical to separate runs); ``> 0`` = sampling (every method continues from the one
+        sampled first token).
+    raise_errors : bool
+        Re-raise a failed run's exception instead of returning ``"failed"`` records.
+
+    Returns
+    -------
+    list of RunRecord
+        One per method, in the order of ``methods``: ``output_ids`` / ``output_text``, ``ttft_s``, ``prefill_s``,
+        ``decode_s``, ``tokens_per_s`` (seconds, tokens per second; see the module docstring),
+        ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` (bytes), the method's ``telemetry``, and in ``extra``
+        ``shared_prefill_s``, ``compress_s``, ``shared_group_s`` (seconds), ``shared_prefill=True`` and
+        ``shared_with`` (the group's labels). A failed shared prefill fails every record; a failed decode only its
+        own.
+
+    Raises
+    ------
+    ValueError
+        Before anything runs: ``methods`` empty or malformed, a method whose prefill is not full attention (use
+        ``generate_measured`` for it), a bad spec, ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``,
+        ``temperature < 0``, an empty or batched prompt, or vision inputs (text only).
+    """
+    if max_new_tokens < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"need max_new_tokens >= 1, repeats >= 1 and warmup >= 0; got {max_new_tokens}, {repeats}, {warmup}")
+    if temperature is None or not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    members = _resolve(methods)
+    ids, extra_inputs = model_inputs_for(model, input_ids, tokenizer)
+    warm_ids = ids if warmup_ids is None else model_inputs_for(model, warmup_ids, tokenizer)[0]
+    if extra_inputs:
+        raise ValueError(f"generate_shared takes text prompts only, got {sorted(extra_inputs)}; measure vision-language "
+                         "inputs with generate_measured")
+    device = getattr(model, "device", torch.device("cpu"))
+    labels = [label for _, label in members]
+    records = [RunRecord(method=label, method_name=m.name, prompt_tokens=int(ids.shape[1]), repeats=repeats,
+                         warmup=warmup, device=str(device), dtype=str(next(model.parameters()).dtype),
+                         threads=torch.get_num_threads(), extra={"shared_prefill": True, "shared_with": labels})
+               for m, label in members]
+    gen_kwargs = generation_kwargs(model, tokenizer, temperature)
+    measured: list[list[dict]] = [[] for _ in members]
+    with torch.inference_mode():
+        for r in range(warmup + repeats):
+            if r == warmup:
+                for record in records:
+                    record.load_avg_1m = load_average()
+            try:
+                runs = _one_shared_run(model, members, warm_ids if r < warmup else ids, max_new_tokens, gen_kwargs)
+            except Exception as exc:
+                if raise_errors:
+                    raise
+                logger.warning("shared prefill of %s failed: %s: %s", labels, type(exc).__name__, exc)
+                for record in records:
+                    if record.ok:
+                        record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+                break
+            for record, run, kept in zip(records, runs, measured):
+                if run["error"] is not None and record.ok:
+                    if raise_errors:
+                        raise RuntimeError(f"{record.method}: {run['error']}")
+                    logger.warning("%s: decode after the shared prefill failed: %s", record.method, run["error"])
+                    record.status, record.error = "failed", run["error"]
+                if r >= warmup and record.ok:
+                    kept.append(run)
+    for record, runs in zip(records, measured):
+        if record.ok and runs:
+            _fill(record, runs, tokenizer)
+    return records
+
+
+def _fill(record: RunRecord, runs: list[dict], tokenizer) -> None:
+    """Outputs, medians and samples of one method's measured runs into its record."""
+    last = runs[-1]
+    if any(r["new_ids"] != last["new_ids"] for r in runs):
+        logger.warning("%s: outputs differ between repeats; reporting the last one", record.method)
+    record.output_ids = last["new_ids"]
+    record.new_tokens = len(last["new_ids"])
+    record.output_text = tokenizer.decode(last["new_ids"], skip_special_tokens=True) if tokenizer is not None else ""
+    record.samples = [{k: r[k] for k in _TIMED} for r in runs]
+    for k in ("ttft_s", "decode_s", "tokens_per_s", "prefill_s"):
+        setattr(record, k, median_or_none([r[k] for r in runs]))
+    for k in ("shared_prefill_s", "compress_s", "shared_group_s"):
+        record.extra[k] = median_or_none([r[k] for r in runs])
+    record.kv_cache_bytes_prefill = last["kv_cache_bytes_prefill"]
+    record.kv_cache_bytes_final = last["kv_cache_bytes_final"]
+    record.telemetry = _jsonable(last["telemetry"])
+
+
+def _jsonable(obj):
+    """Telemetry made JSON-safe: tensors to lists, unknown objects to ``repr``."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else repr(obj)
