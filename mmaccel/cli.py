@@ -97,6 +97,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (e.g. ``--warmup``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _budget(text: str) -> float:
     """argparse ``type=``: a visual-token budget, the fraction of visual tokens kept, in (0, 1]."""
     try:
@@ -161,8 +172,20 @@ def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str] | None,
 def _add_repeat_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
     p.add_argument("--repeats", type=_positive_int, default=1, help="measured runs per method (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per method (default 1)")
+    p.add_argument("--warmup", type=_non_negative_int, default=1, help="unrecorded warm-up runs per method (default 1)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """``--resume``, ``--overwrite`` and ``--no-shared-prefill`` of a sweep on :mod:`mmaccel.eval.sweep`."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="finish the sweep in a non-empty --out: skip the finished cells, run the rest")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the sweep files in a non-empty --out (deleted once the first new record is written)")
+    p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
+                   help="run every KV method with its own prefill (a timing study); default: methods that only "
+                        "compress after a full prefill share one per prompt")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="video-qa: frames sampled uniformly from the video (default 8)")
     p.add_argument("--question", default=None, help="vqa/video-qa: the question")
     p.add_argument("--answer", default=None, help="vqa/video-qa: the expected answer (scored by its first word)")
-    p.add_argument("--out", default="runs/compare", help="output folder for compare.json (default runs/compare)")
+    p.add_argument("--out", default="runs/compare",
+                   help="output folder for results.jsonl and compare.json (default runs/compare)")
+    _add_sweep_args(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("niah", help="needle-in-a-haystack sweep: results.jsonl, summary.json, heatmaps")
@@ -205,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "profiler (exact tensor bytes, comparable across runs; the profiler's cost is in the timings)")
     p.add_argument("--out", default="runs/niah", help="output folder (default runs/niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_sweep_args(p)
     p.set_defaults(func=cmd_niah)
 
     from .eval import video_niah as vn
@@ -270,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("niah-merge", help="merge NIAH sweeps run in separate processes into one summary")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="folders written by `mmaccel niah --out`")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (empty or new, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the sweep files in a non-empty --out")
     p.set_defaults(func=cmd_niah_merge)
 
     p = sub.add_parser("zoo", help="the zoo: micro-models and real models fetched from the package index")
@@ -382,15 +409,18 @@ def cmd_compare(args) -> int:
     from .eval.compare import DEFAULT_METHODS, compare
     from .eval.haystack import resolve_chat_template
     from .eval.niah import build_samples, warmup_sample
+    from .eval.sweep import check_out_dir
     from .longctx import build_method
 
     if args.task != "niah":
+        check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads
         return _compare_visual(args)
     args.model = args.model or DEFAULT_MODEL
     args.methods = args.methods or list(DEFAULT_METHODS)
     for spec in args.methods:
         build_method(spec)  # ValueError: unknown method / bad argument, before anything loads
     templates = _check_inputs(args)
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads or is written
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
     ((_, sample),) = build_samples(
@@ -401,10 +431,10 @@ def cmd_compare(args) -> int:
     model, tokenizer = _load_model(args)
     result = compare(
         model, tokenizer, sample, args.methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        warmup=args.warmup, warmup_inputs=warm.input_ids,
+        warmup=args.warmup, warmup_inputs=warm.input_ids, out_dir=args.out, resume=args.resume,
+        overwrite=args.overwrite, shared_prefill=args.shared_prefill,
     )
     out = Path(args.out) / "compare.json"
-    result.to_json(out)
     first = result.records[0]
     print(f"NIAH: {sample.length} tokens, needle at depth {sample.depth:g} (token {sample.needle_position}), "
           f"answer {sample.answer}; model {args.model}, device {first.device}, {first.threads} threads, "
@@ -413,8 +443,9 @@ def cmd_compare(args) -> int:
     line = _card_accuracy_line(args.model, [label for label in (r.method for r in result.records)], sample.length,
                                sample.depth)
     if line:
-        print(line)
-    print(f"wrote {out}")
+        print(line, flush=True)
+    result.to_json(out)  # after the table: a failed write still leaves the table on the screen
+    print(f"wrote {out} and results.jsonl")
     return 0
 
 
@@ -544,8 +575,10 @@ def cmd_niah(args) -> int:
     """
     from .eval.haystack import resolve_chat_template
     from .eval.niah import build_samples, estimate_sweep_seconds, process_state, run_niah
+    from .eval.sweep import check_out_dir
 
     templates = _check_inputs(args)
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads or is written
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
     build_samples(tokenizer, args.lengths, args.depths, args.trials, seed=args.seed, haystack=args.haystack,
@@ -574,12 +607,13 @@ def cmd_niah(args) -> int:
     result = run_niah(
         model, tokenizer, args.methods, args.lengths, args.depths, args.trials, seed=args.seed,
         haystack=args.haystack, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-        out_dir=args.out, progress=not args.no_progress and main_process, chat_template=chat, state=state,
-        memory_meter=args.memory_meter, **templates,
+        out_dir=args.out, progress=False if args.no_progress or not main_process else None, chat_template=chat,
+        state=state, memory_meter=args.memory_meter, resume=args.resume, overwrite=args.overwrite,
+        shared_prefill=args.shared_prefill, report=lambda summary: print(niah_table(summary), flush=True),
+        **templates,
     )
     if not main_process:
         return 0
-    print(niah_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
     return 0
 
@@ -607,8 +641,8 @@ def cmd_niah_merge(args) -> int:
     """``mmaccel niah-merge DIR... --out DIR``: one summary and heatmaps from several sweeps."""
     from .eval.niah import merge_results
 
-    result = merge_results(args.dirs, args.out)
-    print(niah_table(result.summary))
+    result = merge_results(args.dirs, args.out, overwrite=args.overwrite,
+                           report=lambda summary: print(niah_table(summary), flush=True))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
     return 0
 
@@ -636,6 +670,10 @@ def niah_table(summary: dict) -> str:
                          f"{format_bytes(row['median_peak_memory_bytes'])} |")
         overall = "-" if m["accuracy"] is None else f"{100 * m['accuracy']:.1f}%"
         lines.append(f"| {label} | all | {overall} | | {m['n']} | {m['failed']} | | | |")
+    sweep = summary.get("sweep")
+    if sweep and not sweep["complete"]:
+        lines.append(f"INCOMPLETE: {sweep['found']} of {sweep['expected']} cells have a record (finish the sweep "
+                     "with --resume, or merge the missing folders)")
     return "\n".join(lines)
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +26,23 @@ from mmaccel.eval import niah as niah_module
 from mmaccel.eval import sweep as sw
 from mmaccel.eval.sweep import Cell, check_out_dir, interleave, merge_sweeps, read_records, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
-NIAH = ["niah", "--model", "micro-lm", "--chat-template", "off", "--methods", "full", "streaming:window=64",
+# A haystack file: the built-in one walks the standard library's docstrings once per process (tens of seconds on a
+# busy machine), which the subprocesses here would each pay.
+HAYSTACK = Path(tempfile.gettempdir()) / f"mmaccel_sweep_haystack_{os.getpid()}.txt"
+NIAH = ["niah", "--model", "micro-lm", "--haystack", str(HAYSTACK), "--chat-template", "off", "--methods", "full", "streaming:window=64",
         "--lengths", "256", "--depths", "0", "1", "--trials", "2", "--max-new-tokens", "4", "--warmup", "0",
         "--threads", "1", "--no-progress"]
 N_CELLS = 2 * 2 * 2
 # what depends on the machine's moment, not on the cells
 VOLATILE = ("ttft", "tokens_per_s", "peak_memory", "decode_s", "load_avg")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def haystack_file():
+    HAYSTACK.write_text(" ".join(f"The harbour master of town {i % 37} counted {i * 7 % 101} boats before noon, and "
+                                 f"the baker on street {i % 13} sold bread to {i % 29} sailors." for i in range(400)))
+    yield HAYSTACK
+    HAYSTACK.unlink(missing_ok=True)
 
 
 def _stable(obj):
@@ -226,7 +237,7 @@ def test_run_niah_sends_prefill_sharing_methods_as_one_group(monkeypatch, tmp_pa
 
     monkeypatch.setattr(niah_module, "run_measured_group", fake_group)
     methods = ["full", "streaming:window=64", "snapkv:budget=64"]
-    kw = {"max_new_tokens": 2, "warmup": 0, "progress": False, "chat_template": "off"}
+    kw = {"max_new_tokens": 2, "warmup": 0, "progress": False, "chat_template": "off", "haystack": HAYSTACK}
     shared = niah_module.run_niah(model, tok, methods, [256], [0.5], **kw)
     assert groups == [["streaming:window=64", "snapkv:budget=64"]]
     separate = niah_module.run_niah(model, tok, methods, [256], [0.5], shared_prefill=False, **kw)
@@ -241,10 +252,17 @@ def _niah(capsys, out: Path, *extra: str) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-def _launch(out: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "mmaccel", *NIAH, "--out", str(out)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _child(argv: list[str]) -> None:
+    logging.disable(logging.CRITICAL)
+    sys.exit(main(argv))
+
+
+def _launch(out: Path):
+    """``mmaccel niah`` in a forked child process (the imports already done here, which a fresh interpreter would
+    pay again: about a minute on a busy 2-core machine); it gets real signals like any subprocess."""
+    proc = multiprocessing.get_context("fork").Process(target=_child, args=([*NIAH, "--out", str(out)],))
+    proc.start()
+    return proc
 
 
 def _lines(path: Path) -> int:
@@ -254,20 +272,24 @@ def _lines(path: Path) -> int:
 @pytest.mark.timeout(600)
 def test_niah_interrupted_by_sigint_or_sigkill_then_resumed_equals_an_uninterrupted_run(capsys, tmp_path):
     runs = {"int": (tmp_path / "int", signal.SIGINT), "kill": (tmp_path / "kill", signal.SIGKILL)}
+    assert main(["--version"]) == 0  # every import done before the fork
+    capsys.readouterr()
     procs = {name: _launch(out) for name, (out, _) in runs.items()}
-    rc, full_out, err = _niah(capsys, tmp_path / "whole")  # the uninterrupted run, meanwhile
-    assert rc == 0, err
     deadline = time.monotonic() + 300
     pending = dict(procs)
     while pending and time.monotonic() < deadline:
         for name, proc in list(pending.items()):
             out, sig = runs[name]
-            if _lines(out / "results.jsonl") >= 1 or proc.poll() is not None:
-                proc.send_signal(sig)
+            if _lines(out / "results.jsonl") >= 1 or not proc.is_alive():
+                if proc.is_alive():
+                    os.kill(proc.pid, sig)
                 del pending[name]
         time.sleep(0.005)
+    rc, full_out, err = _niah(capsys, tmp_path / "whole")  # the uninterrupted run
+    assert rc == 0, err
     for name, proc in procs.items():
-        proc.wait(timeout=120)
+        proc.join(timeout=120)
+        assert proc.exitcode != 0, f"{name}: the sweep ended before the signal"
         out = runs[name][0]
         done = _lines(out / "results.jsonl")
         assert 1 <= done < N_CELLS, f"{name}: the signal came after {done} of {N_CELLS} cells"
@@ -348,7 +370,8 @@ def test_compare_with_a_bad_out_fails_before_the_model_loads(capsys, tmp_path, m
 
 
 def test_compare_writes_records_as_it_goes_and_resumes(capsys, tmp_path):
-    argv = ["compare", "--model", "micro-lm", "--chat-template", "off", "--length", "256", "--methods", "full",
+    argv = ["compare", "--model", "micro-lm", "--haystack", str(HAYSTACK), "--chat-template", "off", "--length", "256",
+            "--methods", "full",
             "streaming:window=64", "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path)]
     rc, first, err = _run_cli(capsys, *argv)
     assert rc == 0, err
