@@ -1,8 +1,8 @@
 """Built zoo models: composed at load time from other zoo entries plus small trained weights committed here.
 
 A built entry names its parts (zoo names, fetched on first use), the function that composes them, and the trained
-piece that joins them (for ``smol-llava``: a 0.55 M-parameter LLaVA projector and LoRA adapters of the LM, a 12 MB
-safetensors file under ``assets/models/NAME/``). ``mmaccel.load(NAME)`` fetches the parts, composes the model and
+piece that joins them (for ``smol-llava``: a 0.55 M-parameter LLaVA projector and LoRA adapters of the LM, a 6 MB
+bf16 safetensors file under ``assets/models/NAME/``). ``mmaccel.load(NAME)`` fetches the parts, composes the model and
 loads the trained piece; ``mmaccel zoo train NAME`` trains that piece. Until it is trained, loading fails with one
 error naming that command.
 """
