@@ -320,7 +320,7 @@ def test_comparison_plot_draws_one_bar_group_per_metric_and_writes_a_png(tmp_pat
 
 def test_the_app_draws_the_same_ratio_plot():
     pytest.importorskip("gradio")
-    from apps.workbench import ColumnResult, ratio_figure, record_rows
+    from mmaccel.apps.workbench import ColumnResult, ratio_figure, record_rows
 
     comp = _tiny_comparison()
     results = [ColumnResult(rows=record_rows(r), record=r) for r in comp.records]
