@@ -1,0 +1,199 @@
+"""One shared full-attention prefill for every prefill-only KV method (mmaccel.longctx.shared_prefill,
+mmaccel.eval.shared): the output of each method is token-identical to its own separate run, on micro-lm and on a
+tiny random GQA Llama, at budgets that really evict; methods that change the prefill are refused."""
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import random_prompt, tiny_llama
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mmaccel.eval.generation import generate_measured
+from mmaccel.kernels.hf import cache_kwarg
+from mmaccel.eval.shared import generate_shared
+from mmaccel.longctx import METHODS, SnapKV, build_method
+from mmaccel.longctx.base import _kv_tensors, held_tokens
+from mmaccel.longctx.shared_prefill import SharedPrefill, shares_prefill
+
+MICRO_LM = Path(__file__).resolve().parents[1] / "assets" / "models" / "micro-lm"
+NEW = 8
+
+# Every method the shared prefill serves, at budgets far below the prompt (150-200 tokens): each one evicts (or, for
+# kvquant without eviction, quantizes; for quest, reads pages sparsely at decode).
+SERVED = [
+    "full",
+    "streaming:window=40:sink=4",
+    "snapkv:budget=48:window=8",
+    "pyramidkv:budget=48:window=8",
+    "h2o:budget=48:recent=8",
+    "tova:budget=48",
+    "knorm:budget=48",
+    "chunkkv:chunk=4:method=snapkv,budget=48,window=8",
+    "adakv:method=snapkv,budget=48,window=8",
+    "adakv:method=h2o,budget=48,recent=8",
+    "kvquant:bits=4:group=8:residual=8:method=snapkv,budget=48,window=8",
+    "kvquant:bits=2",
+    "quest:budget=32:page_size=8",
+]
+# Methods that change the prefill itself keep their own.
+OWN_PREFILL = {
+    "chunked": "chunked:chunk=32:method=snapkv,budget=48",
+    "chunked_ffn": "chunked_ffn:chunk=32",
+    "retrieval_heads": "retrieval_heads:pattern=micro-lm",
+    "razor": "razor:pattern=micro-lm",
+    "bilevel": "bilevel",
+    "longheads": "longheads",
+}
+
+
+@pytest.fixture(scope="module")
+def micro_lm():
+    model = AutoModelForCausalLM.from_pretrained(MICRO_LM).eval()
+    tokenizer = AutoTokenizer.from_pretrained(MICRO_LM)
+    ids = torch.randint(3, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    return model, tokenizer, ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16), None, random_prompt(150)
+
+
+@pytest.fixture(scope="module", params=["micro_lm", "tiny"])
+def setup(request):
+    """(model, tokenizer, prompt [1, L], the shared records, the separate records), once per model."""
+    model, tokenizer, ids = request.getfixturevalue(request.param)
+    torch.manual_seed(0)
+    shared = generate_shared(model, tokenizer, ids, methods=[(s, s) for s in SERVED], max_new_tokens=NEW, warmup=0,
+                             raise_errors=True)
+    alone = [generate_measured(model, tokenizer, ids, method=s, max_new_tokens=NEW, warmup=0, raise_errors=True)
+             for s in SERVED]
+    return model, tokenizer, ids, shared, alone
+
+
+@pytest.mark.parametrize("index", range(len(SERVED)), ids=SERVED)
+def test_shared_output_is_token_identical_to_a_separate_run(setup, index):
+    _, _, ids, shared, alone = setup
+    mine, own = shared[index], alone[index]
+    assert mine.ok and own.ok
+    assert mine.method == SERVED[index]
+    assert mine.output_ids == own.output_ids
+    assert mine.new_tokens == NEW
+    assert mine.kv_cache_bytes_prefill == own.kv_cache_bytes_prefill
+    assert mine.kv_cache_bytes_final == own.kv_cache_bytes_final
+    tele = mine.telemetry
+    assert tele["spec"] == own.telemetry["spec"]
+    if mine.method_name in ("snapkv", "pyramidkv", "h2o", "tova", "knorm", "chunkkv", "adakv", "streaming"):
+        assert tele["evicted_tokens"] > 0  # the budget really bit
+        assert tele["kept_tokens_per_layer"] == own.telemetry["kept_tokens_per_layer"]
+    if mine.method_name == "kvquant":
+        assert sum(tele["quantized_tokens_per_layer"]) > 0
+        assert tele["quantized_tokens_per_layer"] == own.telemetry["quantized_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("model_name", ["micro_lm", "tiny"])
+def test_prefilled_caches_equal_each_method_s_own_prefill(request, model_name):
+    """Bit for bit: every member's cache after the one shared prefill holds what its own prefill forward keeps."""
+    model, _, ids = request.getfixturevalue(model_name)
+    methods = [build_method(s) for s in SERVED]
+    shared = SharedPrefill(methods)
+    leader = shared.make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, leader))
+        leader.close()
+        for method, holder in zip(methods, shared.holders):
+            own = method.make_cache(model)
+            model(ids, **cache_kwarg(model, own))
+            getattr(own, "close", lambda: None)()
+            for mine, theirs in zip(holder.layers, own.layers):
+                tensors = [*_kv_tensors(mine), *getattr(mine, "bookkeeping_tensors", list)()]
+                expected = [*_kv_tensors(theirs), *getattr(theirs, "bookkeeping_tensors", list)()]
+                assert len(tensors) == len(expected) > 0
+                assert all(torch.equal(x, y) for x, y in zip(tensors, expected)), method.spec
+                assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+
+
+def test_budgets_change_the_output(setup):
+    """The compressed methods do not all just reproduce full attention (else identity would prove little)."""
+    _, _, _, shared, _ = setup
+    full = shared[SERVED.index("full")].output_ids
+    assert sum(r.output_ids != full for r in shared) >= 4
+
+
+def test_timings_say_what_they_are(setup):
+    _, _, ids, shared, _ = setup
+    prefill = {r.extra["shared_prefill_s"] for r in shared}
+    assert len(prefill) == 1 and prefill.pop() > 0  # one prefill, the same for every method of the group
+    for r in shared:
+        assert r.extra["shared_prefill"] is True and r.extra["shared_with"] == SERVED
+        assert r.extra["compress_s"] > 0
+        assert r.ttft_s == pytest.approx(r.extra["shared_prefill_s"] + r.extra["compress_s"])
+        assert r.prefill_s == r.ttft_s
+        assert r.extra["shared_group_s"] >= r.ttft_s
+        assert r.decode_s > 0 and r.tokens_per_s == pytest.approx((NEW - 1) / r.decode_s)
+        assert r.prompt_tokens == ids.shape[1] and len(r.samples) == 1
+        assert r.peak_memory_method == "unavailable"
+
+
+def test_one_new_token_needs_no_decode(micro_lm):
+    model, tokenizer, ids = micro_lm
+    recs = generate_shared(model, tokenizer, ids, methods=[("snapkv:budget=48:window=8", None)], max_new_tokens=1,
+                           warmup=0, raise_errors=True)
+    own = generate_measured(model, tokenizer, ids, method="snapkv:budget=48:window=8", max_new_tokens=1, warmup=0)
+    assert recs[0].output_ids == own.output_ids and recs[0].new_tokens == 1
+    assert recs[0].decode_s == 0.0 and recs[0].tokens_per_s is None
+    assert recs[0].method == build_method("snapkv:budget=48:window=8").spec  # no label: the spec
+
+
+def test_leader_holds_no_kv_after_the_prefill_and_serves_one_forward(tiny):
+    model, _, ids = tiny
+    shared = SharedPrefill([SnapKV(budget=16, window=4), build_method("full")])
+    leader = shared.make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, leader))
+        assert all(held_tokens(layer) == 0 for layer in leader.layers)  # full K/V lived one layer at a time
+        assert [held_tokens(layer) for layer in shared.holders[0].layers] == [16, 16]
+        assert [held_tokens(layer) for layer in shared.holders[1].layers] == [ids.shape[1]] * 2
+        with pytest.raises(ValueError, match="one prefill forward"):
+            model(ids[:, :1], **cache_kwarg(model, leader))
+    leader.close()
+    cache = shared.decode_cache(0, model)
+    assert [held_tokens(layer) for layer in cache.layers] == [16, 16]
+    assert cache.get_seq_length() == ids.shape[1]
+    cache.close()
+    with pytest.raises(ValueError, match="handed over once"):
+        shared.decode_cache(0, model)
+
+
+def test_shares_prefill_over_the_registry():
+    """Every registered method has decided: the ones that change the prefill say False."""
+    built = {name: build_method(OWN_PREFILL.get(name, name)) for name in METHODS
+             if name not in ("duo", "streamingllm")}
+    sharing = {name for name, method in built.items() if shares_prefill(method)}
+    assert sharing == {"full", "streaming", "snapkv", "pyramidkv", "h2o", "tova", "knorm", "quest", "adakv",
+                       "chunkkv", "kvquant"}
+    assert set(built) - sharing == set(OWN_PREFILL)
+    assert not shares_prefill("snapkv") and not shares_prefill(object())
+
+
+@pytest.mark.parametrize("name", sorted(OWN_PREFILL))
+def test_a_method_with_its_own_prefill_is_refused(micro_lm, name):
+    model, tokenizer, ids = micro_lm
+    with pytest.raises(ValueError, match="generate_measured"):
+        generate_shared(model, tokenizer, ids, methods=[("snapkv:budget=48", "a"), (OWN_PREFILL[name], "b")])
+    with pytest.raises(ValueError, match="generate_measured"):
+        SharedPrefill([build_method(OWN_PREFILL[name])])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"methods": []}, "non-empty list"),
+    ({"methods": ["snapkv"]}, r"\(method, label\) pair"),
+    ({"methods": [("snapkv", None)], "max_new_tokens": 0}, "max_new_tokens >= 1"),
+    ({"methods": [("snapkv", None)], "repeats": 0}, "repeats >= 1"),
+    ({"methods": [("snapkv", None)], "temperature": -1.0}, "temperature"),
+    ({"methods": [("nonexistent", None)]}, "nonexistent"),
+])
+def test_bad_arguments_raise_before_any_run(tiny, kwargs, match):
+    model, _, ids = tiny
+    with pytest.raises(ValueError, match=match):
+        generate_shared(model, None, ids, **kwargs)
