@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import random_prompt, tiny_llama
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from mmaccel.eval.generation import generate_measured
-from mmaccel.kernels.hf import cache_kwarg
 from mmaccel.eval.shared import generate_shared
+from mmaccel.kernels.hf import cache_kwarg
 from mmaccel.longctx import METHODS, SnapKV, build_method
 from mmaccel.longctx.base import _kv_tensors, held_tokens
 from mmaccel.longctx.shared_prefill import SharedPrefill, shares_prefill
@@ -73,7 +73,7 @@ def setup(request):
 
 @pytest.mark.parametrize("index", range(len(SERVED)), ids=SERVED)
 def test_shared_output_is_token_identical_to_a_separate_run(setup, index):
-    _, _, ids, shared, alone = setup
+    _, _, _, shared, alone = setup
     mine, own = shared[index], alone[index]
     assert mine.ok and own.ok
     assert mine.method == SERVED[index]
@@ -197,3 +197,13 @@ def test_bad_arguments_raise_before_any_run(tiny, kwargs, match):
     model, _, ids = tiny
     with pytest.raises(ValueError, match=match):
         generate_shared(model, None, ids, **kwargs)
+
+
+def test_a_model_with_sliding_window_layers_is_refused_before_any_run():
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                         layer_types=["full_attention", "sliding_attention"])
+    model = Qwen2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"layers \[1\] .* not full-attention"):
+        generate_shared(model, None, random_prompt(40), methods=[("snapkv:budget=16:window=4", None)])
+    assert not model.model.layers[0].self_attn._forward_hooks  # the leading cache's hooks came off again

@@ -118,7 +118,7 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
                        tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                        kv_cache_bytes_final=kv_cache_bytes(cache),
                        telemetry=method.telemetry(cache) if hasattr(method, "telemetry") else {})
-        except Exception as exc:  # one member's failed decode is its record's, the others go on
+        except Exception as exc:  # noqa: BLE001 - a failed decode is its own record's, the others go on
             run["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             close = getattr(cache, "close", None)
@@ -183,7 +183,8 @@ def generate_shared(
     ValueError
         Before anything runs: ``methods`` empty or malformed, a method whose prefill is not full attention (use
         ``generate_measured`` for it), a bad spec, ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``,
-        ``temperature < 0``, an empty or batched prompt, or vision inputs (text only).
+        ``temperature < 0``, an empty or batched prompt, vision inputs (text only), or a model with sliding-window
+        layers (:meth:`~mmaccel.longctx.shared_prefill.SharedPrefill.make_cache`).
     """
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
@@ -196,6 +197,7 @@ def generate_shared(
     if extra_inputs:
         raise ValueError(f"generate_shared takes text prompts only, got {sorted(extra_inputs)}; measure vision-language "
                          "inputs with generate_measured")
+    SharedPrefill([m for m, _ in members]).make_cache(model).close()  # a model it cannot serve raises here, up front
     device = getattr(model, "device", torch.device("cpu"))
     labels = [label for _, label in members]
     records = [RunRecord(method=label, method_name=m.name, prompt_tokens=int(ids.shape[1]), repeats=repeats,

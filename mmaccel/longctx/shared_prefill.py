@@ -75,7 +75,9 @@ class SharedPrefill(KVMethod):
     :class:`~mmaccel.longctx.base.EvictingLayer` s, so the prefill's attention is the stock attention of a
     full-attention run. A member whose own cache computes attention itself (AdaKV, KVQuant, Quest:
     :mod:`mmaccel.longctx.owned`) computes the same full attention over the same K/V at prefill, through
-    :func:`mmaccel.kernels.attention` -- equal in exact arithmetic, and token-identical in the tests. Models whose
+    :func:`mmaccel.kernels.attention` -- equal in exact arithmetic, and bit-identical on the CPU (SDPA both ways; tested
+    on micro-lm and a tiny GQA Llama). On CUDA that kernel may be flash-attn where the model runs SDPA, so those three
+    can differ from their own runs by kernel rounding (not checked on a GPU yet). Models whose
     config has sliding-window (non-full) layers are refused: those layers are not fanned out.
     """
 
