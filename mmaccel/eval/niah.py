@@ -537,7 +537,8 @@ def run_niah(
         written (:func:`mmaccel.eval.sweep.check_out_dir`).
     shared_prefill : bool
         Run the KV methods that only compress after a full prefill (``shares_prefill``) as one group per prompt
-        with one shared prefill, when ``mmaccel.eval.shared`` is installed; ``False`` runs every method separately.
+        with one shared prefill, when ``mmaccel.eval.shared`` is installed (not with ``memory_meter="allocator"``,
+        which needs separate runs); ``False`` runs every method separately.
     report : callable ``(summary) -> None``, optional
         Called before ``summary.json`` and the heatmaps are written (the CLI prints its table there).
 
@@ -594,11 +595,12 @@ def run_niah(
         "warmup": warmup,
         "memory_meter": memory_meter,
     }
+    share = shared_prefill and memory_meter == "rss"  # the shared runner has no allocator meter
     # (method, length, depth, trial), method-major; the harness interleaves the methods per prompt.
     cells = [
         Cell(label, _sample_id(sample, trial),
              {"length": sample.length, "depth": sample.depth, "trial": trial, "sample_seed": seed + trial},
-             group="shared-prefill" if shared_prefill and shares_prefill(method) else None, payload=(m, s))
+             group="shared-prefill" if share and shares_prefill(method) else None, payload=(m, s))
         for m, (method, label) in enumerate(resolved) for s, (trial, sample) in enumerate(samples)
     ]
     warmed: set[int] = set()

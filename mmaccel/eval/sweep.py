@@ -41,7 +41,7 @@ What the harness guarantees
   equal a one-process run's except for timings. The output folder must be shared by the processes.
 * **Groups.** Cells of one sample with the same :attr:`Cell.group` (not ``None``) run as one call
   ``run_group(cells) -> list of records`` (e.g. several KV methods sharing one prefill,
-  :func:`run_measured_group`); without ``run_group`` they run one by one.
+  :func:`run_measured_group`); without ``run_group`` they run one by one, and a group of one runs through ``run``.
 * **Merging.** :func:`merge_sweeps` reads several output folders (``results.jsonl`` or ``results.jsonl.gz``), checks
   the cells found against the cells expected (their ``sweep.json``), and says ``"complete": false`` in the summary's
   ``"sweep"`` block when some are missing.
@@ -58,12 +58,12 @@ Output folder
 from __future__ import annotations
 
 import datetime
-import gzip
 import json
 import logging
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,12 +306,7 @@ def read_records(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a folder written by a sweep's --out")
     if path.suffix == ".gz":
-        with gzip.open(path, "rb") as f:
-            try:
-                raw = f.read()
-            except EOFError:
-                logger.warning("%s is truncated (compressed stream cut off); reading what is there", path)
-                raw = b""
+        raw = _gunzip_what_is_there(path)
     else:
         raw = path.read_bytes()
     lines = raw.decode("utf-8", errors="replace").split("\n")
@@ -329,6 +324,24 @@ def read_records(path) -> list[dict]:
                 continue
             raise ValueError(f"{path}: line {i + 1} is not JSON ({exc}); repair or delete that line") from exc
     return records
+
+
+def _gunzip_what_is_there(path: Path) -> bytes:
+    """The bytes of a (possibly multi-member) gzip file; a stream cut off is read as far as it goes, with a warning
+    naming the file."""
+    data, out = path.read_bytes(), []
+    while data:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            out.append(d.decompress(data))
+        except zlib.error as exc:
+            logger.warning("%s: a damaged compressed stream (%s); reading what came before it", path, exc)
+            break
+        if not d.eof:
+            logger.warning("%s is truncated (the compressed stream is cut off); reading what is there", path)
+            break
+        data = d.unused_data
+    return b"".join(out)
 
 
 def _torn_tail(path: Path) -> int | None:
@@ -654,7 +667,7 @@ def sweep(
     try:
         for unit in mine:
             bar.set_postfix_str(f"{unit[0].sample} {'+'.join(c.method for c in unit)}"[:60])
-            if len(unit) == 1 and (run_group is None or unit[0].group is None):
+            if len(unit) == 1:  # a group of one is a plain cell
                 try:
                     recs = [run(unit[0])]
                 except Exception as exc:  # noqa: BLE001 - a failed cell is a record
