@@ -243,6 +243,10 @@ def test_run_niah_sends_prefill_sharing_methods_as_one_group(monkeypatch, tmp_pa
     separate = niah_module.run_niah(model, tok, methods, [256], [0.5], shared_prefill=False, **kw)
     assert len(groups) == 1
     assert [r["output_ids"] for r in shared.records] == [r["output_ids"] for r in separate.records]
+    monkeypatch.undo()  # the real shared prefill (mmaccel.eval.shared): the same tokens as separate runs
+    real = niah_module.run_niah(model, tok, methods, [256], [0.5], **kw)
+    assert [r["output_ids"] for r in real.records] == [r["output_ids"] for r in separate.records]
+    assert all(r["extra"].get("shared_with") == methods for r in real.records)  # one prefill served all three
 
 
 # ------------------------------------------------------------------------------------------------- acceptance
