@@ -492,14 +492,14 @@ def _compare_visual(args) -> int:
                             max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
     result.inputs[media] = str(path)
     out = Path(args.out) / "compare.json"
-    result.to_json(out)
     first = result.records[0]
     print(f"{args.task}: {len(images)} {'image' if media == 'image' else 'frame'}(s), "
           f"{result.inputs['visual_tokens']} visual tokens, {result.inputs['prompt_tokens']} prompt tokens; question "
           f"{args.question!r}; model {args.model}, device {first.device}, {first.threads} threads")
     print(result.to_markdown())
     print()
-    print(visual_table(result.records))
+    print(visual_table(result.records), flush=True)
+    result.to_json(out)  # after the tables (atomic)
     print(f"wrote {out}")
     return 0
 
