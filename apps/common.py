@@ -257,7 +257,7 @@ class AppContext:
             return None
         key = id(tokenizer)
         if key not in self._haystacks:
-            from mmaccel.eval.haystack import HaystackTokens
+            from mmaccel.data.haystack import HaystackTokens
 
             self._haystacks[key] = HaystackTokens(tokenizer, Path(self.haystack).read_text(encoding="utf-8"))
         return self._haystacks[key]

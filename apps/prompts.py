@@ -39,7 +39,7 @@ def build_prompt(tokenizer, document: str, question: str, chat_template: str = "
     InputError
         Both the document and the question are empty.
     """
-    from mmaccel.eval.haystack import resolve_chat_template
+    from mmaccel.data.haystack import resolve_chat_template
 
     document, question = (document or "").strip(), (question or "").strip()
     if not document and not question:
@@ -60,12 +60,12 @@ def build_prompt(tokenizer, document: str, question: str, chat_template: str = "
 def niah_document(tokenizer, length: int, depth: float, seed: int, haystack=None) -> tuple[str, str, str]:
     """A NIAH document (held-out prose with one planted fact), its question and the expected answer.
 
-    ``haystack`` is a :class:`~mmaccel.eval.haystack.HaystackTokens` (default: the held-out standard-library prose).
+    ``haystack`` is a :class:`~mmaccel.data.haystack.HaystackTokens` (default: the held-out standard-library prose).
 
     The document is the haystack with the needle, decoded to text; the question is the completion sentence for a
-    tokenizer without a chat template and the plain question with one (see :mod:`mmaccel.eval.haystack`).
+    tokenizer without a chat template and the plain question with one (see :mod:`mmaccel.data.haystack`).
     """
-    from mmaccel.eval.haystack import CHAT_QUESTION_TEMPLATE, QUESTION_TEMPLATE, make_niah_sample, resolve_chat_template
+    from mmaccel.data.haystack import CHAT_QUESTION_TEMPLATE, QUESTION_TEMPLATE, make_niah_sample, resolve_chat_template
 
     sample = make_niah_sample(tokenizer, int(length), float(depth), seed=int(seed), chat_template=False,
                               haystack=haystack)

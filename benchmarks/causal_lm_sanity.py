@@ -1,7 +1,7 @@
 """Sanity checks of a causal LM for its model card: perplexity on held-out prose and a few greedy answers.
 
 Perplexity is measured on the held-out split of the built-in prose (standard-library docstrings, digits removed;
-:func:`mmaccel.eval.haystack.stdlib_paragraphs`), cut into ``--windows`` non-overlapping windows of ``--tokens``
+:func:`mmaccel.data.haystack.stdlib_paragraphs`), cut into ``--windows`` non-overlapping windows of ``--tokens``
 tokens, each scored on its own (no context carried over): ``exp(mean next-token negative log-likelihood)``.
 
 Usage::
@@ -30,7 +30,7 @@ PROMPTS = (
 
 def perplexity(model, tokenizer, *, tokens: int, windows: int) -> dict:
     """Held-out prose perplexity over ``windows`` windows of ``tokens`` tokens (no BOS, no context carried over)."""
-    from mmaccel.eval.haystack import stdlib_paragraphs
+    from mmaccel.data.haystack import stdlib_paragraphs
 
     ids = tokenizer.encode(" ".join(stdlib_paragraphs("eval")), add_special_tokens=False)
     nll, count = 0.0, 0

@@ -7,7 +7,7 @@ kvpress (https://github.com/NVIDIA/kvpress) is the reference library of KV-cache
 mmaccel runs on transformers 5.2x. So the two sides never share a process:
 
 - the **driver** (this script, in mmaccel's environment) builds the NIAH token sequences with
-  :mod:`mmaccel.eval.haystack` (built-in held-out prose, a "secret number" needle, the question at the end of the
+  :mod:`mmaccel.data.haystack` (built-in held-out prose, a "secret number" needle, the question at the end of the
   user's turn, the chat template when the tokenizer has one), runs mmaccel's methods on them, then starts
 - the **worker** (this same file, ``--worker kvpress``) in a virtual environment the driver creates on first use
   (default ``runs/kvpress-venv``: ``torch==2.13.0`` -- the CPU wheel on this machine --, ``kvpress==0.5.5``,
@@ -26,7 +26,7 @@ Versions: kvpress 0.5.5 reads ``cache_position`` from the attention modules' key
 ``--venv`` may name any environment with kvpress 0.5.5 (e.g. one made with ``--system-site-packages`` that adds only
 ``transformers==5.2.0``, ``tokenizers==0.22.2`` and kvpress, so both sides share the torch build).
 
-The driver scores both sides with the same rule (:func:`mmaccel.eval.haystack.score_answer`, exact match of the first
+The driver scores both sides with the same rule (:func:`mmaccel.data.haystack.score_answer`, exact match of the first
 number) and merges the records into one table.
 
 What each side compresses
@@ -466,7 +466,7 @@ def mmaccel_specs(templates, ratios) -> list[tuple[str, str, float | None]]:
 def closing_token_count(tokenizer, sample, chat_template: bool) -> int | None:
     """How many tokens follow the question in a NIAH prompt: the chat template's closing tokens and the answer
     prefix (kvpress's pipeline appends them uncompressed); ``None`` if the prompt does not end with them."""
-    from mmaccel.eval.haystack import ANSWER_PREFIX_TEMPLATE, chat_wrapper_ids
+    from mmaccel.data.haystack import ANSWER_PREFIX_TEMPLATE, chat_wrapper_ids
 
     prefix = ANSWER_PREFIX_TEMPLATE.format(key=sample.key)
     if chat_template:
@@ -481,9 +481,9 @@ def build_cases(tokenizer, lengths, n_cases: int, ratios, *, seed: int = 0, chat
     """The NIAH token sequences both sides run, as JSON-ready dicts.
 
     ``n_cases`` prompts per length, needle depths ``(i + 0.5) / n_cases``, sample seed ``seed + i``
-    (:func:`mmaccel.eval.haystack.make_niah_sample`); ``keep`` holds mmaccel's kept slots per layer and KV head at
+    (:func:`mmaccel.data.haystack.make_niah_sample`); ``keep`` holds mmaccel's kept slots per layer and KV head at
     each ratio (``KVScorer.context_budget``), ``n_closing`` the tokens after the question. ``haystack``: ``None`` for
-    the built-in held-out prose, or a text file / :class:`~mmaccel.eval.haystack.HaystackTokens`
+    the built-in held-out prose, or a text file / :class:`~mmaccel.data.haystack.HaystackTokens`
     (:func:`mmaccel.eval.niah.load_haystack`).
 
     Returns
@@ -497,7 +497,7 @@ def build_cases(tokenizer, lengths, n_cases: int, ratios, *, seed: int = 0, chat
     ValueError
         For ``n_cases < 1``, a length too short for the needle and question, or a bad ratio.
     """
-    from mmaccel.eval.haystack import make_niah_sample, resolve_chat_template
+    from mmaccel.data.haystack import make_niah_sample, resolve_chat_template
     from mmaccel.eval.niah import load_haystack
     from mmaccel.longctx import build_method
 
@@ -579,7 +579,7 @@ def run_kvpress_side(python, job_path: Path, out_path: Path) -> int:
 
 def score_records(records: list[dict], cases: list[dict], bytes_per_token: int) -> list[dict]:
     """Add ``length``, ``depth``, ``answer``, ``correct``, ``correct_contains`` and ``kept_fraction`` to records."""
-    from mmaccel.eval.haystack import score_answer, score_answer_contains
+    from mmaccel.data.haystack import score_answer, score_answer_contains
 
     by_id = {c["id"]: c for c in cases}
     for r in records:

@@ -387,7 +387,7 @@ def _load_model(args, device: str | None = None):
 
 
 def _templates(args) -> dict:
-    from .eval.haystack import NEEDLE_TEMPLATE
+    from .data.haystack import NEEDLE_TEMPLATE
 
     return {"needle_template": args.needle_template or NEEDLE_TEMPLATE, "question_template": args.question_template}
 
@@ -407,7 +407,7 @@ def cmd_compare(args) -> int:
     """``mmaccel compare``: one NIAH document (or one image / video question), every method, a table on stdout and
     ``compare.json``."""
     from .eval.compare import DEFAULT_METHODS, compare
-    from .eval.haystack import resolve_chat_template
+    from .data.haystack import resolve_chat_template
     from .eval.niah import build_samples, warmup_sample
     from .eval.sweep import check_out_dir
     from .longctx import build_method
@@ -573,7 +573,7 @@ def cmd_niah(args) -> int:
     Under ``accelerate launch`` every process runs its shard of the cells on ``PartialState().device`` (with
     ``--device auto``) and ``--threads`` torch threads; only the main process prints, after merging the shards.
     """
-    from .eval.haystack import resolve_chat_template
+    from .data.haystack import resolve_chat_template
     from .eval.niah import build_samples, estimate_sweep_seconds, process_state, run_niah
     from .eval.sweep import check_out_dir
 
@@ -777,7 +777,7 @@ def cmd_spec_bench(args) -> int:
     """``mmaccel spec-bench``: speculative methods vs autoregressive decoding on free and copy-heavy prompts; prints
     the table, writes ``results.jsonl`` and ``summary.json`` (:func:`mmaccel.eval.specbench.run_spec_bench`)."""
     from .pipeline import resolve_methods
-    from .eval.haystack import resolve_chat_template
+    from .data.haystack import resolve_chat_template
     from .eval.specbench import check_draft_tokenizers, run_spec_bench
 
     if not args.temperature >= 0:

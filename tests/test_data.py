@@ -275,9 +275,11 @@ def test_write_video_errors_leave_no_file(tmp_path):
 # --- the haystack moved here from mmaccel.eval ---------------------------------------------------------------------
 
 
-def test_haystack_moved_and_the_old_path_re_exports_the_same_objects():
-    import mmaccel.eval.haystack as old
+def test_the_eval_haystack_shim_is_gone():
+    """The haystack lives in mmaccel.data only; the old mmaccel.eval.haystack re-export was removed."""
+    import importlib
 
-    for name in haystack.__all__:
-        assert getattr(old, name) is getattr(haystack, name), name
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("mmaccel.eval.haystack")
+    assert haystack.make_niah_sample.__module__ == "mmaccel.data.haystack"
     assert haystack.score_answer("It is 40,817.", "40817")

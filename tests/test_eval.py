@@ -14,7 +14,7 @@ from tiny_models import tiny_llama
 from transformers import DynamicCache
 
 from mmaccel.eval import Comparison, NIAHSample, RunRecord, compare, generate_measured, make_niah_sample, run_niah
-from mmaccel.eval.haystack import score_answer, stdlib_paragraphs
+from mmaccel.data.haystack import score_answer, stdlib_paragraphs
 from mmaccel.eval.memory import PeakMemory
 from mmaccel.eval.niah import build_samples, summarize
 from mmaccel.longctx import FullAttention

@@ -45,7 +45,7 @@ def test_gates_at_one_and_zero_are_the_retrieval_head_split():
 
 def test_a_short_training_run_moves_the_gates_and_leaves_the_model_as_it_was():
     tokenizer = PreTrainedTokenizerFast.from_pretrained(MICRO_LM)
-    from mmaccel.eval.haystack import HaystackTokens
+    from mmaccel.data.haystack import HaystackTokens
 
     model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, tokenizer=tokenizer, max_positions=1024)
     model.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)  # a flag that must come back as it was

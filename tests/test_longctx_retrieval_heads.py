@@ -289,7 +289,7 @@ PROSE = ("The river bends twice before it reaches the old mill. Farmers bring th
 
 @pytest.fixture(scope="module")
 def hay(micro_tokenizer):
-    from mmaccel.eval.haystack import HaystackTokens
+    from mmaccel.data.haystack import HaystackTokens
 
     return HaystackTokens(micro_tokenizer, text=PROSE)  # short filler: the default prose takes seconds to tokenize
 
@@ -302,7 +302,7 @@ def _eager_attentions(model, ids):
 def test_finder_scores_match_eager_attention_weights(micro_tokenizer, hay):
     """needle_scores / copy_scores (recomputed queries + kernel column scores) against the attention weights of an
     eager model on the same inputs."""
-    from mmaccel.eval.haystack import make_niah_sample
+    from mmaccel.data.haystack import make_niah_sample
 
     model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, attn="eager", tokenizer=micro_tokenizer,
                        max_positions=1024)

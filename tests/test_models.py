@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from mmaccel.eval.haystack import stdlib_paragraphs
+from mmaccel.data.haystack import stdlib_paragraphs
 from mmaccel.models import ModelLoadError, load, resolve_model_path
 from mmaccel.models import zoo as zoo_mod
 from mmaccel.models.tokenizer import train_bpe_tokenizer

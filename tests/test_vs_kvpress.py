@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from mmaccel.pipeline import resolve_methods
-from mmaccel.eval.haystack import HaystackTokens
+from mmaccel.data.haystack import HaystackTokens
 from mmaccel.longctx import build_method, kv_cache_bytes
 from mmaccel.models import zoo_path
 

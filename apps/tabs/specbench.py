@@ -176,7 +176,7 @@ class SpecBenchTab(Tab):
             except Exception as exc:  # noqa: BLE001 - unknown method, bad argument, wrong draft: this column only
                 results[i] = ColumnResult.failure(error_text(exc))
         methods = list(dict.fromkeys(label for label in labels if label not in (None, BASELINE)))
-        from mmaccel.eval.haystack import resolve_chat_template
+        from mmaccel.data.haystack import resolve_chat_template
 
         progress(0.1, desc="running spec-bench")
         yield outputs(f"running spec-bench: {len(methods)} method(s) and the autoregressive baseline on "

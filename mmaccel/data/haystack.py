@@ -1,7 +1,7 @@
 """Offline prose and planted needles: the text both the micro-model training and NIAH use.
 
-This module was ``mmaccel.eval.haystack``; it lives in :mod:`mmaccel.data` with the other synthetic tasks, so that
-``mmaccel.models`` (micro-model training) does not need ``mmaccel.eval``. The old path re-exports it.
+It lives in :mod:`mmaccel.data` with the other synthetic tasks, so that the zoo's trainers and the long-context
+methods read it without importing :mod:`mmaccel.eval`.
 
 Real prose that every machine has offline is harvested from the docstrings of Python's standard library
 (parsed with :mod:`ast`, never imported), with digits removed. Paragraphs are split deterministically into a training split and a

@@ -7,7 +7,7 @@
 """
 from .compare import Comparison, compare
 from .generation import RunRecord, generate_measured, measure_pipeline
-from .haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
+from ..data.haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
 from .niah import NIAHResult, run_niah
 from .pieces import compare_pieces
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline import resolve_methods, split_inputs
 from .generation import RunRecord, generate_measured
-from .haystack import NIAHSample, score_answer, score_answer_contains
+from ..data.haystack import NIAHSample, score_answer, score_answer_contains
 from .sweep import Cell, run_measured_group, save_figure, shares_prefill, sweep, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def compare(
         See :func:`~mmaccel.eval.generation.generate_measured`.
     answer : str, optional
         Expected answer; when known (given or from a NIAH sample) each record gets ``extra["answer"]``,
-        ``extra["correct"]`` (strict: the first number is the answer, :func:`~mmaccel.eval.haystack.score_answer`)
+        ``extra["correct"]`` (strict: the first number is the answer, :func:`~mmaccel.data.haystack.score_answer`)
         and ``extra["correct_contains"]`` (the answer appears anywhere).
     warmup_inputs : prompt, optional
         What warm-up runs use (e.g. a short prompt); default ``inputs`` itself.

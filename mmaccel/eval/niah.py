@@ -3,7 +3,7 @@
 Follows Needle-in-a-Haystack (Kamradt, 2023) and RULER's single-needle retrieval (Hsieh et al., 2024,
 arXiv 2404.06654) for local Hugging Face causal LMs: a key-value fact is planted at a relative depth of a document of
 a given token length, the question at the end asks for the value, and the answer is scored by exact match
-(:func:`mmaccel.eval.haystack.score_answer`). Every method sees exactly the same prompts.
+(:func:`mmaccel.data.haystack.score_answer`). Every method sees exactly the same prompts.
 
 Output folder
 -------------
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from ..pipeline import resolve_methods
 from .generation import generate_measured, median_or_none
-from .haystack import (
+from ..data.haystack import (
     NEEDLE_TEMPLATE,
     HaystackTokens,
     NIAHSample,
@@ -147,7 +147,7 @@ def build_samples(
     """All NIAH prompts of a sweep, built (and so validated) before any run.
 
     Trial ``t`` uses sample seed ``seed + t``; the same arguments give the same prompts. ``chat_template`` wraps each
-    prompt in the tokenizer's chat template (:func:`~mmaccel.eval.haystack.make_niah_sample`).
+    prompt in the tokenizer's chat template (:func:`~mmaccel.data.haystack.make_niah_sample`).
 
     Returns
     -------

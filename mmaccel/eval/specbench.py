@@ -14,7 +14,7 @@ Prompt sets (built offline)
 - ``free``: open chat requests (stories, explanations, advice), wrapped in the tokenizer's chat template when it has
   one; the answer has little to copy from the prompt.
 - ``copy``: edit, repeat or summarise a held-out paragraph of standard-library prose
-  (:func:`mmaccel.eval.haystack.stdlib_paragraphs` ``"eval"``) given in the prompt; the answer copies from it (the
+  (:func:`mmaccel.data.haystack.stdlib_paragraphs` ``"eval"``) given in the prompt; the answer copies from it (the
   regime where prompt lookup shines: Saxena, 2023; Dumitru et al., 2025, arXiv 2502.08923). The answer starts with
   the text's first words, so base models without a chat template copy too.
 
@@ -148,7 +148,7 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
             text, ids = _encode(tokenizer, FREE_PROMPTS[i % len(FREE_PROMPTS)], "", chat_template)
             out.append(BenchPrompt("free", i, "chat", text, ids))
         return out
-    from .haystack import stdlib_paragraphs
+    from ..data.haystack import stdlib_paragraphs
 
     rng = random.Random(seed)
     paras = [p for p in stdlib_paragraphs("eval") if min_chars <= len(p) <= max_chars]

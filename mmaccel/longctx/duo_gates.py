@@ -132,7 +132,7 @@ def find_retrieval_heads_by_gates(
 ) -> HeadPattern:
     """DuoAttention's optimization-based finder (Xiao et al., 2024, arXiv 2410.10819): train per-KV-head gates.
 
-    Each step builds one passkey document (:func:`mmaccel.eval.haystack.make_niah_sample`, the length cycling over
+    Each step builds one passkey document (:func:`mmaccel.data.haystack.make_niah_sample`, the length cycling over
     ``lengths``, the depth drawn uniformly, the answer appended), runs the frozen model once with full attention
     (no grad) and once with gated attention, and takes an Adam step on
     ``mean((h_full - h_gated)^2) over the last `supervise` positions and the hidden dims + reg * sum(alpha)`` (final
@@ -161,7 +161,7 @@ def find_retrieval_heads_by_gates(
         Fraction of (layer, KV head) pairs made retrieval heads, in [0, 1].
     seed : int
     model_name : str
-    haystack : mmaccel.eval.haystack.HaystackTokens, optional
+    haystack : mmaccel.data.haystack.HaystackTokens, optional
 
     Returns
     -------
@@ -176,7 +176,7 @@ def find_retrieval_heads_by_gates(
     """
     import random
 
-    from ..eval.haystack import make_niah_sample
+    from ..data.haystack import make_niah_sample
 
     if steps < 1 or supervise < 1 or not lengths or not 0 <= fraction <= 1 or lr <= 0 or reg < 0:
         raise ValueError("find_retrieval_heads_by_gates needs steps >= 1, supervise >= 1, lengths, lr > 0, reg >= 0 "

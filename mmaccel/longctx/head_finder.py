@@ -61,12 +61,12 @@ def needle_scores(model, tokenizer, *, length: int, depth: float, seed: int = 0,
     model : transformers.PreTrainedModel
     tokenizer : a Hugging Face tokenizer
     length : int
-        Prompt length in tokens (:func:`mmaccel.eval.haystack.make_niah_sample`).
+        Prompt length in tokens (:func:`mmaccel.data.haystack.make_niah_sample`).
     depth : float
         Needle depth in [0, 1].
     seed : int
-    haystack : mmaccel.eval.haystack.HaystackTokens, optional
-        The filler text (default: the held-out prose of :func:`~mmaccel.eval.haystack.make_niah_sample`).
+    haystack : mmaccel.data.haystack.HaystackTokens, optional
+        The filler text (default: the held-out prose of :func:`~mmaccel.data.haystack.make_niah_sample`).
 
     Returns
     -------
@@ -75,7 +75,7 @@ def needle_scores(model, tokenizer, *, length: int, depth: float, seed: int = 0,
         the answer positions (the last prompt token and the answer's tokens but the last, teacher-forced) and over
         the query heads of each GQA group.
     """
-    from ..eval.haystack import make_niah_sample
+    from ..data.haystack import make_niah_sample
 
     sample = make_niah_sample(tokenizer, length, depth, seed=seed, haystack=haystack)
     needle_len = len(tokenizer.encode(" " + sample.needles[0].text(), add_special_tokens=False))
@@ -181,7 +181,7 @@ def find_retrieval_heads(
         Fraction of (layer, KV head) pairs made retrieval heads, in [0, 1].
     model_name : str
         Label stored in the pattern (default: ``config.name_or_path``).
-    haystack : mmaccel.eval.haystack.HaystackTokens, optional
+    haystack : mmaccel.data.haystack.HaystackTokens, optional
         Filler text of the passkey documents (default: the held-out prose).
 
     Returns

@@ -2,7 +2,7 @@
 
 The corpus is long documents of real prose (standard-library docstrings, harvested at training time) with 1..N
 planted key-value facts and a question about one of them at the end, so that retrieval is learned. Documents follow
-exactly the token layout of :func:`mmaccel.eval.haystack.make_niah_sample`, so NIAH measures the trained skill.
+exactly the token layout of :func:`mmaccel.data.haystack.make_niah_sample`, so NIAH measures the trained skill.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..eval.haystack import HaystackTokens, random_needles, stdlib_paragraphs
+from ..data.haystack import HaystackTokens, random_needles, stdlib_paragraphs
 from .zoo import ZOO, Recipe, zoo_path
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mmaccel.eval.haystack import make_niah_sample, score_answer
+from mmaccel.data.haystack import make_niah_sample, score_answer
 from mmaccel.longctx import SnapKV
 from mmaccel.longctx.base import LayerStep
 from mmaccel.models import load
