@@ -101,7 +101,7 @@ eagle_smoke)
   nvidia-smi --query-gpu=name,memory.total --format=csv
   step 90 eagle_smoke $PY -c "
 import logging; logging.basicConfig(level=logging.INFO)
-from mmaccel.speculative.train_eagle import train
+from mmaccel.zoo.train.eagle import train
 train('/tmp/eagle_smoke', target='micro-lm', device='cuda', n_free=6, n_copy=2, max_new_tokens=6, gen_batch=4,
       data_minutes=1, text_minutes=0.01, train_minutes=0.05, vocab=256, unroll=2, batch_size=2, max_len=96,
       n_sampled=3, sample_minutes=1)"
@@ -110,7 +110,7 @@ eagle)
   fetch_model
   step 480 eagle_train $PY -c "
 import logging; logging.basicConfig(level=logging.INFO)
-from mmaccel.speculative.train_eagle import train
+from mmaccel.zoo.train.eagle import train
 train('$OUT/eagle_head', device='cuda', gen_batch=256, data_minutes=1.5, text_minutes=0.5, n_sampled=8000,
       sample_minutes=2.0, train_minutes=3.0, batch_size=32, eval_every=200)"
   ;;

@@ -45,7 +45,7 @@ from mmaccel.data.palette import (
     save_picture,
 )
 from mmaccel.models import load
-from mmaccel.models.train_micro_ar import LAYOUT, RASTER, left_pad, prompt_ids, tokens_to_picture
+from mmaccel.zoo.train.micro_ar import LAYOUT, RASTER, left_pad, prompt_ids, tokens_to_picture
 from mmaccel.speculative.engine import speculative_generate
 from mmaccel.speculative.lantern import Lantern, latent_neighbours
 from mmaccel.speculative.sjd import SpeculativeJacobi

@@ -451,7 +451,7 @@ def cmd_compare(args) -> int:
 
 def _card_accuracy_line(model: str, labels: list[str], length: int, depth: float) -> str | None:
     """One line of each method's accuracy over many seeds, from the model card's committed study (if it has one)."""
-    from .models.card import seed_study_line
+    from .zoo.card import seed_study_line
 
     return seed_study_line(model, labels, length, depth)
 
@@ -699,7 +699,7 @@ def cmd_zoo_list(args) -> int:
               f"{row['description']}")
     from .models.zoo import assets_dir
     from .speculative.eagle import WEIGHTS_FILE
-    from .speculative.train_eagle import HEADS
+    from .zoo.train.eagle import HEADS
 
     for name in HEADS:
         weights = assets_dir() / name / WEIGHTS_FILE
@@ -724,11 +724,12 @@ def cmd_zoo_fetch(args) -> int:
 
 def cmd_zoo_train(args) -> int:
     """``mmaccel zoo train NAME``: train, then write the model card."""
-    from .models import train as train_mod
-    from .models.built import BUILT, train_built
-    from .models.card import write_model_card
+    from .models.built import BUILT
     from .models.zoo import ZOO
-    from .speculative.train_eagle import HEADS
+    from .zoo.card import write_model_card
+    from .zoo.train import lm as train_mod
+    from .zoo.train import train_built
+    from .zoo.train.eagle import HEADS
 
     built_only = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
     given = {k: v for k, v in built_only.items() if v is not None}

@@ -64,7 +64,7 @@ def save_tiny_vlm(path: Path) -> str:
 
     from mmaccel.data.scenes import ANSWERS, make_scene_qa
     from mmaccel.models import smol_llava
-    from mmaccel.models.train_smol_llava import INSTRUCTION
+    from mmaccel.zoo.train.smol_llava import INSTRUCTION
 
     tower = save_tiny_vision_encoder(path / "vision")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

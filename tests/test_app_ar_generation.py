@@ -173,7 +173,7 @@ def test_methods_get_generated_forms_and_the_raster_of_the_kind():
 
 
 def test_prompt_words_grammar_and_kind():
-    from mmaccel.models.train_micro_ar import build_tokenizer
+    from mmaccel.zoo.train.micro_ar import build_tokenizer
 
     tok = build_tokenizer()
     ids, prompt, target, note = palette_prompt(tok, "  Red circle  at top-left on WHITE ", "image")

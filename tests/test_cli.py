@@ -104,7 +104,7 @@ def test_zoo_list(capsys):
 
 
 def test_zoo_train_dispatches_a_draft_head(capsys, monkeypatch, tmp_path):
-    from mmaccel.speculative import train_eagle
+    from mmaccel.zoo.train import eagle as train_eagle
 
     calls = []
     summary = {"train": {"steps": 7}, "wall_time_s": 60.0, "card": str(tmp_path / "README.md"),
@@ -119,12 +119,12 @@ def test_zoo_train_dispatches_a_draft_head(capsys, monkeypatch, tmp_path):
 
 def test_zoo_train_trains_then_writes_the_card(capsys, monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr("mmaccel.models.train.train",
+    monkeypatch.setattr("mmaccel.zoo.train.lm.train",
                         lambda name, out, **kw: calls.append(("train", name, out, kw)) or {"steps": 3,
                                                                                            "wall_time_s": 1.0})
-    card = types.ModuleType("mmaccel.models.card")
+    card = types.ModuleType("mmaccel.zoo.card")
     card.write_model_card = lambda name, out=None: calls.append(("card", name, out)) or tmp_path / "README.md"
-    monkeypatch.setitem(sys.modules, "mmaccel.models.card", card)
+    monkeypatch.setitem(sys.modules, "mmaccel.zoo.card", card)
     rc, out, _ = _run(capsys, "zoo", "train", "micro-draft", "--out", str(tmp_path), "--max-steps", "3",
                       "--threads", "1")
     assert rc == 0

@@ -11,7 +11,7 @@ from mmaccel.data.haystack import stdlib_paragraphs
 from mmaccel.models import ModelLoadError, load, resolve_model_path
 from mmaccel.models import zoo as zoo_mod
 from mmaccel.models.tokenizer import train_bpe_tokenizer
-from mmaccel.models.train import NeedleDocuments, train
+from mmaccel.zoo.train.lm import NeedleDocuments, train
 from mmaccel.models.zoo import Phase, Recipe
 
 
@@ -133,7 +133,7 @@ def test_model_card_renders_committed_results(tmp_path):
     """The card is built from the files in the model folder: training log, NIAH summaries, the SnapKV study."""
     import shutil
 
-    from mmaccel.models.card import write_model_card
+    from mmaccel.zoo.card import write_model_card
 
     src = zoo_mod.zoo_path("micro-draft")
     for f in ("train_log.json", "config.json", "model.safetensors"):
@@ -157,7 +157,7 @@ def test_model_card_renders_committed_results(tmp_path):
 
 
 def test_seed_study_line_reads_the_committed_summary(monkeypatch, tmp_path):
-    from mmaccel.models.card import seed_study_line
+    from mmaccel.zoo.card import seed_study_line
 
     monkeypatch.setattr(zoo_mod, "assets_dir", lambda: tmp_path)
     assert seed_study_line("micro-lm", ["full"], 4096, 0.5) is None  # no study committed

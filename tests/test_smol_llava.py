@@ -26,7 +26,7 @@ import mmaccel
 from mmaccel.data.scenes import ANSWERS, describe_scene, make_scene_qa
 from mmaccel.models import built as built_mod
 from mmaccel.models import smol_llava as sl
-from mmaccel.models import train_smol_llava as tr
+from mmaccel.zoo.train import smol_llava as tr
 from mmaccel.models.loading import ModelLoadError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -308,7 +308,9 @@ def test_micro_llava_recipe_and_command(monkeypatch, tmp_path):
         tr.train(tmp_path, name="nope")
     seen = {}
     monkeypatch.setattr(tr, "train", lambda out, **kw: seen.update(kw, out=out) or {"ok": True})
-    assert built_mod.train_built("micro-llava", tmp_path, steps=7, threads=1) == {"ok": True}
+    from mmaccel.zoo.train import train_built
+
+    assert train_built("micro-llava", tmp_path, steps=7, threads=1) == {"ok": True}
     recipe = tr.RECIPES["micro-llava"]
     assert seen["name"] == "micro-llava" and seen["language"] == "micro-lm" and seen["steps"] == 7
     assert seen["lora_rank"] == recipe["lora_rank"] > 0 and seen["single_object_steps"] == recipe["single_object_steps"]
@@ -318,7 +320,7 @@ def test_micro_llava_recipe_and_command(monkeypatch, tmp_path):
         "mmaccel zoo train micro-llava --steps 1200 --batch-size 16 --lr 0.002 --threads 2"
     other = tr._command(name="micro-llava", steps=10, threads=None, device="cpu", seed=0, **base,
                         **{**same, "turns": 1})
-    assert other.startswith("python -m mmaccel.models.train_smol_llava --name micro-llava --steps 10") and \
+    assert other.startswith("python -m mmaccel.zoo.train.smol_llava --name micro-llava --steps 10") and \
         other.endswith(" --turns 1")
     assert "micro-llava" in {row["name"] for row in built_mod.list_built()}
 
@@ -376,7 +378,7 @@ def test_train_writes_a_projector_that_loads_back_identically(parts, built, batc
     assert log["eval"]["n"] == 4 and set(log["eval"]["by_kind"]) <= {"colour", "shape", "count", "relation", "size"}
     card = (out / "README.md").read_text()
     assert tr.CARD_MARKER in card and summary["command"] in card
-    assert summary["command"].startswith("python -m mmaccel.models.train_smol_llava --steps 4 --batch-size 2 --lr 0.003")
+    assert summary["command"].startswith("python -m mmaccel.zoo.train.smol_llava --steps 4 --batch-size 2 --lr 0.003")
     assert "--warmup 1 --per-scene 5 --turns 5 --lora-rank 8 --eval-n 4 --vision " in summary["command"]
     # mmaccel.load composes the same parts and the written projector: one model, whose score is the logged one
     entry = dataclasses.replace(built_mod.BUILT["smol-llava"], parts=(("vision", str(parts[0])),
@@ -542,7 +544,7 @@ def test_clip_conversations_compose_base_frames_and_a_rendered_needle(built):
     frame's row swapped in -- the rows of encoding that composed clip."""
     from PIL import Image
 
-    from mmaccel.models import clip_training as ct
+    from mmaccel.zoo.train import clips as ct
 
     model, processor = built
     examples, bases, needles = ct.clip_conversations(processor, 6, bases=2, seed=0)
@@ -585,7 +587,7 @@ def test_clip_only_run_from_a_trained_projector_with_a_reading_phase(parts, tmp_
     recipe; a file holding LoRA adapters is refused, as are bad step counts."""
     from safetensors.torch import load_file
 
-    from mmaccel.models import clip_training as ct
+    from mmaccel.zoo.train import clips as ct
 
     first = tr.train(tmp_path / "a", steps=1, batch_size=2, lr=3e-3, warmup=1, eval_n=0, vision=str(parts[0]),
                      language=str(parts[1]), progress=False)

@@ -20,7 +20,7 @@ from mmaccel.speculative import (
     speculative_generate,
 )
 from mmaccel.speculative.eagle import HeadCache
-from mmaccel.speculative.train_eagle import (
+from mmaccel.zoo.train.eagle import (
     _batch,
     choose_vocab,
     generate_examples,

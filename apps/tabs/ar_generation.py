@@ -1,7 +1,7 @@
 """The Image & video generation tab (endpoint ``/ar_generation``): ``micro-ar`` paints one prompt, image or clip, in
 each column with the autoregressive baseline or a speculative method, and the pictures are shown side by side.
 
-``micro-ar`` (:mod:`mmaccel.models.train_micro_ar`) is a tiny LlamaGen-style autoregressive model over palette tokens:
+``micro-ar`` (:mod:`mmaccel.zoo.train.micro_ar`) is a tiny LlamaGen-style autoregressive model over palette tokens:
 a prompt of words from :data:`mmaccel.data.palette.WORDS` (``"red circle at top-left on white"``), then one token
 per pixel in raster order with a row token before each row, a ``16 x 16`` image (272 tokens) or 8 frames of ``8 x 8``
 (576 tokens). The columns' methods:
@@ -97,10 +97,10 @@ def check_palette_tokenizer(tokenizer, model_name: str) -> None:
     ------
     InputError
         If the tokenizer lacks ``<image>`` / ``<video>``, its row tokens ``<r00>`` .. ``<r15>`` are not at
-        :data:`~mmaccel.models.train_micro_ar.ROW_TOKEN_OFFSET` onwards, or it does not know every prompt word.
+        :data:`~mmaccel.zoo.train.micro_ar.ROW_TOKEN_OFFSET` onwards, or it does not know every prompt word.
     """
     from mmaccel.data.palette import WORDS
-    from mmaccel.models.train_micro_ar import LAYOUT, ROW_TOKEN_OFFSET, ROW_TOKENS
+    from mmaccel.zoo.train.micro_ar import LAYOUT, ROW_TOKEN_OFFSET, ROW_TOKENS
 
     vocab = tokenizer.get_vocab()
     starts = [LAYOUT[k][0] for k in LAYOUT]
@@ -108,7 +108,7 @@ def check_palette_tokenizer(tokenizer, model_name: str) -> None:
     if not rows_ok or any(t not in vocab for t in (*starts, *WORDS)):
         raise InputError(f"{model_name!r} is not a palette-token image/video model like {AR_MODEL}: its tokenizer "
                          f"needs {' and '.join(starts)}, the row tokens {ROW_TOKENS[0]} .. {ROW_TOKENS[-1]} at ids "
-                         f"{ROW_TOKEN_OFFSET}.. and the prompt words (mmaccel.models.train_micro_ar)")
+                         f"{ROW_TOKEN_OFFSET}.. and the prompt words (mmaccel.zoo.train.micro_ar)")
 
 
 def palette_prompt(tokenizer, prompt: str, kind: str) -> tuple[list[int], str, np.ndarray | None, str]:
@@ -123,7 +123,7 @@ def palette_prompt(tokenizer, prompt: str, kind: str) -> tuple[list[int], str, n
     Returns
     -------
     ids : list of int
-        ``<s> words <image>`` (or ``<video>``), :func:`mmaccel.models.train_micro_ar.prompt_ids`.
+        ``<s> words <image>`` (or ``<video>``), :func:`mmaccel.zoo.train.micro_ar.prompt_ids`.
     prompt : str
         The normalised prompt.
     target : numpy.ndarray or None
@@ -138,7 +138,7 @@ def palette_prompt(tokenizer, prompt: str, kind: str) -> tuple[list[int], str, n
         An unknown kind, an empty prompt, or words outside the vocabulary (the message lists the allowed words).
     """
     from mmaccel.data.palette import KINDS, WORDS, render_prompt
-    from mmaccel.models.train_micro_ar import LAYOUT, prompt_ids
+    from mmaccel.zoo.train.micro_ar import LAYOUT, prompt_ids
 
     if kind not in KINDS:
         raise InputError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
@@ -172,7 +172,7 @@ def build_ar_method(spec: str, kind: str, *, window: int = DEFAULT_WINDOW, vocab
         ``"lantern:k=3:delta=0.3"``) and optionally ``window=N`` (draft tokens per step).
     kind : {"image", "video"}
         Sets what the spec leaves out: SJD's (and LANTERN's inner SJD's) ``width`` / ``frame`` from
-        :data:`~mmaccel.models.train_micro_ar.RASTER` (17 / 272 tokens for an image, 9 / 72 for a clip) and
+        :data:`~mmaccel.zoo.train.micro_ar.RASTER` (17 / 272 tokens for an image, 9 / 72 for a clip) and
         ``init_tokens`` (the 16 palette tokens); LANTERN's ``init`` (``neighbour`` for an image, ``previous_frame``
         for a clip, as in ``benchmarks/sjd_micro_ar.py``) and its ``neighbours``, nearest palette colours by RGB
         distance (:func:`~mmaccel.speculative.lantern.latent_neighbours`).
@@ -197,7 +197,7 @@ def build_ar_method(spec: str, kind: str, *, window: int = DEFAULT_WINDOW, vocab
     import torch
 
     from mmaccel.data.palette import PALETTE16
-    from mmaccel.models.train_micro_ar import RASTER
+    from mmaccel.zoo.train.micro_ar import RASTER
     from mmaccel.specs import MethodSpec, build_from_registry, parse_method_spec
     from mmaccel.speculative import SpeculativeMethod
     from mmaccel.speculative.lantern import Lantern, latent_neighbours
@@ -232,10 +232,10 @@ def build_ar_method(spec: str, kind: str, *, window: int = DEFAULT_WINDOW, vocab
 
 
 def picture_of(tokens, kind: str) -> np.ndarray:
-    """Generated tokens as palette indices (:func:`~mmaccel.models.train_micro_ar.tokens_to_picture`): ``[16, 16]``
+    """Generated tokens as palette indices (:func:`~mmaccel.zoo.train.micro_ar.tokens_to_picture`): ``[16, 16]``
     or ``[8, 8, 8]`` uint8, 255 where the token is not a palette colour (a row token out of place, or a picture cut
     short by an early ``</s>``, padded)."""
-    from mmaccel.models.train_micro_ar import LAYOUT, tokens_to_picture
+    from mmaccel.zoo.train.micro_ar import LAYOUT, tokens_to_picture
 
     n = LAYOUT[kind][1]
     tokens = list(tokens)[:n]
@@ -320,7 +320,7 @@ def measured_run(model, tokenizer, ids: list[int], spec: str, method, kind: str,
     import torch
 
     from mmaccel.eval.generation import generate_measured
-    from mmaccel.models.train_micro_ar import LAYOUT
+    from mmaccel.zoo.train.micro_ar import LAYOUT
 
     torch.manual_seed(int(seed))
     rec = generate_measured(model, tokenizer, ids, method=method, label=AUTOREGRESSIVE if method is None else spec,

@@ -5,11 +5,11 @@ Used by ``mmaccel vision-sweep`` (:mod:`~mmaccel.eval.vision_sweep`), ``mmaccel 
 path, :func:`~mmaccel.eval.generation.generate_measured` (its ``vision=`` and ``kv=`` slots), so every row is a
 :class:`~mmaccel.eval.generation.RunRecord`.
 
-Prompts follow ``smol-llava``'s training and evaluation prompt (:func:`mmaccel.models.train_smol_llava.messages`):
+Prompts follow ``smol-llava``'s training and evaluation prompt (:func:`mmaccel.data.scene_prompts.messages`):
 one user turn holding the image(s), then the question and LLaVA-1.5's short-answer instruction. A video is a batch of
 frames, one ``<image>`` per frame in that turn (a LLaVA-1.5-style model has no video input of its own); answers are
 scored like the training evaluation: the first word of the answer equals the expected one
-(:func:`mmaccel.models.train_smol_llava.first_word`).
+(:func:`mmaccel.data.scene_prompts.first_word`).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def check_vlm_processor(processor) -> None:
 def chat_inputs(processor, images: Sequence, question: str):
     """The model inputs of one question about ``images`` (one image, or the frames of a video).
 
-    The chat of :func:`mmaccel.models.train_smol_llava.messages` with one image item per image: the processor's
+    The chat of :func:`mmaccel.data.scene_prompts.messages` with one image item per image: the processor's
     chat template writes one ``<image>`` per item, which the processor expands to the visual tokens of that image
     (``smol-llava``: 144 per image). A processor without a chat template gets ``<image>`` lines, then the question.
 
@@ -116,7 +116,7 @@ def chat_inputs(processor, images: Sequence, question: str):
     ValueError
         No images, or a processor that is not a vision-language one.
     """
-    from ..models.train_smol_llava import INSTRUCTION, messages
+    from ..data.scene_prompts import INSTRUCTION, messages
 
     check_vlm_processor(processor)
     images = list(images)
@@ -139,7 +139,7 @@ def image_token_count(model, inputs) -> int:
 
 def score(text: str, answer: str) -> bool:
     """The training evaluation's rule: the first word of ``text`` (lower case, no punctuation) equals ``answer``."""
-    from ..models.train_smol_llava import first_word
+    from ..data.scene_prompts import first_word
 
     return first_word(text) == str(answer).lower()
 

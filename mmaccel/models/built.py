@@ -70,7 +70,7 @@ BUILT: dict[str, BuiltEntry] = {
                     "joined by a trained 2-layer MLP projector (LLaVA-1.5 style, 0.55 M params) and LoRA "
                     "adapters of the LM (rank 8, merged at load)",
         parts=(("vision", "dinov2-small"), ("language", "smollm2-135m")),
-        trainer="mmaccel.models.train_smol_llava:train",
+        trainer="mmaccel.zoo.train.smol_llava:train",
     ),
     "micro-llava": BuiltEntry(
         name="micro-llava",
@@ -78,7 +78,7 @@ BUILT: dict[str, BuiltEntry] = {
                     "a trained projector, with LoRA adapters on the LM merged at load (the fallback when smol-llava's "
                     "real LM misses the scene-QA bar)",
         parts=(("vision", "dinov2-small"), ("language", "micro-lm")),
-        trainer="mmaccel.models.train_smol_llava:train_micro_llava",
+        trainer="mmaccel.zoo.train.smol_llava:train_micro_llava",
     ),
 }
 
@@ -187,15 +187,6 @@ def load_built_processor(name: str, *, weights_dir: str | Path | None = None, ca
     entry = BUILT[name]
     weights = trained_weights(name, weights_dir)
     return _function(entry.processor)(**_part_dirs(entry, cache_dir), projector=weights)
-
-
-def train_built(name: str, out_dir: str | Path | None = None, **kwargs) -> dict:
-    """Train built model ``name``'s piece with its entry's trainer (``mmaccel zoo train NAME``).
-
-    ``kwargs`` go to the trainer (``steps``, ``batch_size``, ``lr``, ``threads``, ``device``; see
-    :func:`mmaccel.models.train_smol_llava.train`). Returns its summary.
-    """
-    return _function(BUILT[name].trainer)(out_dir, **kwargs)
 
 
 def list_built() -> list[dict]:

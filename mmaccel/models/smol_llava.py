@@ -32,7 +32,7 @@ feature to one input embedding of the LM. Only the projector is trained (LLaVA's
 - **LoRA adapters** (optional; Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021, arXiv
   2106.09685). The same file may hold low-rank updates of the LM's linear layers (``lora.<module>.A`` [r, in] and
   ``lora.<module>.B`` [out, r], the scale ``alpha / r`` in its metadata), trained with ``peft`` by
-  :mod:`mmaccel.models.train_smol_llava`. A load merges them into the LM's weights (``W += scale * B @ A``,
+  :mod:`mmaccel.zoo.train.smol_llava`. A load merges them into the LM's weights (``W += scale * B @ A``,
   :func:`merge_lora`), so the loaded model is a plain ``LlavaForConditionalGeneration`` and needs no ``peft``.
 
 The build is deterministic, so a committed projector plus the two fetched parts reproduce the trained model.

@@ -67,7 +67,7 @@ class ZooEntry:
     tokenizer_from: str | None = None  # reuse another zoo model's tokenizer (drafts must share it)
     notes: str = ""  # what was tried on the way to the recipe; rendered in the model card
     # "module:function" of a trainer for a model that is not trained on needle documents (micro-ar); it takes
-    # (out_dir, *, device, threads, max_steps) like mmaccel.models.train.train, and writes the card itself
+    # (out_dir, *, device, threads, max_steps) like mmaccel.zoo.train.lm.train, and writes the card itself
     trainer: str | None = None
 
 
@@ -180,16 +180,16 @@ ZOO: dict[str, ZooEntry] = {
             pad_token_id=16,
         ),
         # one phase over both kinds of sequence: images (prompt + 272 tokens) and clips (prompt + 576 tokens);
-        # batch_size is the image batch, clips take half as many sequences (mmaccel.models.train_micro_ar)
+        # batch_size is the image batch, clips take half as many sequences (mmaccel.zoo.train.micro_ar)
         recipe=Recipe(
             phases=(Phase(steps=1500, min_len=272, max_len=576, batch_size=16),),
             lr=2e-3,
             warmup_steps=100,
             weight_decay=0.05,
-            answer_weight=10.0,  # here: the loss weight of event pixels (train_micro_ar.event_pixels)
+            answer_weight=10.0,  # here: the loss weight of event pixels (mmaccel.zoo.train.micro_ar.event_pixels)
         ),
         vocab_size=71,
-        trainer="mmaccel.models.train_micro_ar:train",
+        trainer="mmaccel.zoo.train.micro_ar:train",
         notes=(
             "Three runs on the 2 shared CPU cores (load average 5-10 from other jobs; in an idle stretch 25 steps took "
             "5-6 s, so the 1,500 steps of this recipe take roughly 6 min on idle cores). (1) A pure 256-token raster "

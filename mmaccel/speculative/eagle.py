@@ -9,7 +9,7 @@ embedding and the LM head are read from the target itself, never stored.
 
 A head is a folder (``assets/models/NAME/`` for a zoo name, or any path) holding ``config.json`` (the shapes, the
 target's config fingerprint, the sub-vocabulary's token ids) and ``head.safetensors``; ``mmaccel zoo train
-smollm2-135m-eagle`` trains one (:mod:`mmaccel.speculative.train_eagle`).
+smollm2-135m-eagle`` trains one (:mod:`mmaccel.zoo.train.eagle`).
 
 References
 ----------
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "mmaccel-eagle-head/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "head.safetensors"
-_FIX = "train one with `mmaccel zoo train smollm2-135m-eagle` (or mmaccel.speculative.train_eagle.train)"
+_FIX = "train one with `mmaccel zoo train smollm2-135m-eagle` (or mmaccel.zoo.train.eagle.train)"
 
 
 @dataclass

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def _prompt_helpers():
     """``messages`` and ``first_word`` of the smol-llava trainer, wherever it lives in this checkout."""
     try:
-        from mmaccel.models.train_smol_llava import first_word, messages
+        from mmaccel.zoo.train.smol_llava import first_word, messages
     except ImportError:  # the trainers move into mmaccel/zoo/
         from mmaccel.zoo.train.smol_llava import first_word, messages
     return messages, first_word

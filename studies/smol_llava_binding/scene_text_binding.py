@@ -21,7 +21,7 @@ import torch
 
 from mmaccel.data.scenes import make_scene_qa
 from mmaccel.models import load
-from mmaccel.models.train_smol_llava import INSTRUCTION, LORA_TARGETS, first_word
+from mmaccel.zoo.train.smol_llava import INSTRUCTION, LORA_TARGETS, first_word
 
 
 def prompt(qa, rng: random.Random) -> str:

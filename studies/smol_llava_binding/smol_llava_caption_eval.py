@@ -1,6 +1,6 @@
 """Held-out captions of a ``smol-llava`` projector trained with ``--caption``: does the model name each object right?
 
-Asks :data:`mmaccel.models.train_smol_llava.CAPTION_PROMPT` about the test-split scenes of the trainer's evaluation
+Asks :data:`mmaccel.zoo.train.smol_llava.CAPTION_PROMPT` about the test-split scenes of the trainer's evaluation
 (``make_scene_qa(N, seed=0, split="test")``), greedy, and compares the answer with
 :func:`mmaccel.data.scenes.describe_scene`: the whole caption (exact), and the share of the scene's objects whose
 "a <size> <colour> <shape>" phrase appears among the answer's comma-separated items.
@@ -15,7 +15,7 @@ import json
 import torch
 
 from mmaccel.data.scenes import describe_scene, make_scene_qa
-from mmaccel.models import train_smol_llava as tr
+from mmaccel.zoo.train import smol_llava as tr
 from mmaccel.models.smol_llava import build_llava
 
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mmaccel.models.train_smol_llava import (
+from mmaccel.zoo.train.smol_llava import (
     BuildRecipe,
     _parts,
     add_lora,

@@ -3,7 +3,7 @@ import json, random, sys
 import torch
 from mmaccel.models import load
 from mmaccel.speculative.eagle import load_head
-from mmaccel.speculative.train_eagle import evaluate
+from mmaccel.zoo.train.eagle import evaluate
 torch.set_num_threads(2)
 model, tok = load("smollm2-135m"); model.eval()
 ex = torch.load("/tmp/eagle/data.pt", weights_only=True)["examples"]

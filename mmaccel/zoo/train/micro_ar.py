@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.palette import (
+from ...data.palette import (
     COLOURS,
     IMAGE_SIZE,
     VIDEO_FRAMES,
@@ -42,9 +42,9 @@ from ..data.palette import (
     palette_accuracy,
     palette_samples,
 )
-from ..data.splits import split_seed
-from .train import _lr_at, _save, weighted_ce_step
-from .zoo import ZOO, Recipe, zoo_path
+from ...data.splits import split_seed
+from ...models.zoo import ZOO, Recipe, zoo_path
+from .lm import _lr_at, _save, weighted_ce_step
 
 logger = logging.getLogger(__name__)
 
@@ -451,7 +451,7 @@ autoregressive image model to accelerate and a quality metric that can fail. It 
   order, 16 colours (`mmaccel.data.palette.PALETTE16`); each row starts with a row token `<r00>`..`<r15>` (its row
   within the image or frame), so an image is 16 x 17 = 272 tokens and a clip 8 x 8 x 9 = 576. 32 x 32 images
   (1,024+ tokens) would not train on 2 CPU cores within the 45-minute budget.
-- Command: `{summary['command']}` (the trainer is `mmaccel.models.train_micro_ar.train`, named by the zoo entry's
+- Command: `{summary['command']}` (the trainer is `mmaccel.zoo.train.micro_ar.train`, named by the zoo entry's
   `trainer`); this run was started as `{summary.get('invocation', summary['command'])}`, which runs the same
   function.
 - Hardware: {summary['device']} ({summary['hardware']}), {summary['threads']} threads; Python {summary['python']},
@@ -475,7 +475,7 @@ cosine decay to {r['min_lr_ratio']}x over {r['steps']} steps, gradient clip {r['
 step in {r['video_every']} is a batch of {r['video_batch']} clips, the others batches of {r['image_batch']} images.
 Loss on the picture's tokens (pixels and row tokens) and `</s>` only, weighted {r.get('event_weight', 1.0)} on
 "event" pixels (a pixel that differs from the one above it, or on a first row from the one to its left:
-`mmaccel.models.train_micro_ar.event_pixels`) and 1 elsewhere; the reported loss is that weighted mean.
+`mmaccel.zoo.train.micro_ar.event_pixels`) and 1 elsewhere; the reported loss is that weighted mean.
 
 ## Training curve
 | step | loss | teacher-forced token accuracy | tokens/s | minutes |
@@ -528,7 +528,7 @@ def _speculative_section() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmaccel.models.train_micro_ar [--threads N] [--max-steps N] [--out DIR] [--device D]``."""
+    """``python -m mmaccel.zoo.train.micro_ar [--threads N] [--max-steps N] [--out DIR] [--device D]``."""
     parser = argparse.ArgumentParser(description="train micro-ar (what `mmaccel zoo train micro-ar` runs)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cpu")
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    invocation = "python -m mmaccel.models.train_micro_ar " + " ".join(argv if argv is not None else sys.argv[1:])
+    invocation = "python -m mmaccel.zoo.train.micro_ar " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = train(args.out, device=args.device, threads=args.threads, max_steps=args.max_steps,
                     invocation=invocation.strip())
     logger.info("trained %s: %d steps in %.1f min; quality %s", NAME, summary["steps"], summary["wall_time_s"] / 60,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import platform
 import random
 import time
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.haystack import HaystackTokens, random_needles, stdlib_paragraphs
-from .zoo import ZOO, Recipe, zoo_path
+from ...data.haystack import HaystackTokens, random_needles, stdlib_paragraphs
+from ...models.zoo import ZOO, Recipe, zoo_path
+from .schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +73,8 @@ class NeedleDocuments:
 
 
 def _lr_at(step: int, recipe: Recipe) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(recipe.total_steps - recipe.warmup_steps, 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+    """The recipe's learning rate at ``step`` (:func:`~mmaccel.zoo.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(step, recipe.total_steps, recipe.lr, recipe.warmup_steps, recipe.min_lr_ratio)
 
 
 def weighted_ce_step(model, opt, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lr: float,
@@ -118,7 +115,7 @@ def build_tokenizer(name: str):
     """The tokenizer for zoo model ``name``: trained on the docstring prose, or reused from ``tokenizer_from``."""
     from transformers import AutoTokenizer
 
-    from .tokenizer import train_bpe_tokenizer
+    from ...models.tokenizer import train_bpe_tokenizer
 
     entry = ZOO[name]
     if entry.tokenizer_from:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 from collections import Counter
@@ -35,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import EagleHead, EagleHeadConfig, _decoder, expected_head_bytes, head_parameters, save_head
+from ...speculative.eagle import EagleHead, EagleHeadConfig, _decoder, expected_head_bytes, head_parameters, save_head
+from .schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     ValueError
         If the templates cannot make ``n`` distinct prompts.
     """
-    from ..eval.specbench import FREE_PROMPTS
+    from ...eval.specbench import FREE_PROMPTS
 
     pool = []
     pool += [f"Write a short story about {c} who {e}." for c in _CHARACTERS for e in _EVENTS]
@@ -137,8 +137,8 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
 def copy_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` copy-heavy ``(user, answer lead)`` pairs over the *train* split of the stdlib paragraphs, Spec-Bench's
     copy tasks in turn (:data:`mmaccel.eval.specbench.COPY_TASKS`)."""
-    from ..data.haystack import stdlib_paragraphs
-    from ..eval.specbench import COPY_TASKS, _typos
+    from ...data.haystack import stdlib_paragraphs
+    from ...eval.specbench import COPY_TASKS, _typos
 
     rng = random.Random(seed)
     paras = [p for p in stdlib_paragraphs("train") if 300 <= len(p) <= 900]
@@ -299,7 +299,7 @@ def text_examples(model, tokenizer, *, minutes: float, window: int = 256, batch_
     and its greedy next token there (``greedy``, from its LM head), ``window`` tokens each, for ``minutes`` of
     wall-clock time. Three to four times cheaper per token than generating answers, and the labels are still the
     target's own argmax (EAGLE trains on fixed text too)."""
-    from ..data.haystack import stdlib_paragraphs
+    from ...data.haystack import stdlib_paragraphs
 
     paras = list(stdlib_paragraphs("train"))
     random.Random(seed).shuffle(paras)
@@ -377,12 +377,6 @@ def unrolled_loss(head: EagleHead, embed, lm_weight, toks, feats, labels, valid,
     return loss, stats
 
 
-def _lr(step, total, peak, warmup):
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
-
-
 @torch.no_grad()
 def evaluate(head, embed, lm_weight, examples, vocab_index, *, steps: int, scale: float, max_len: int = 512,
              batch: int = 8) -> dict:
@@ -450,8 +444,8 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
     mmaccel.models.ModelLoadError
         If the target cannot be fetched.
     """
-    from ..models import load
-    from ..models.zoo import assets_dir
+    from ...models import load
+    from ...models.zoo import assets_dir
 
     if threads:
         torch.set_num_threads(int(threads))
@@ -556,7 +550,7 @@ def train(out_dir=None, *, device: str = "cpu", threads: int | None = None, targ
                 per = (time.perf_counter() - t0) / 10
                 est_total = max(20, int(budget / per))
                 logger.info("~%.2f s/step: about %d steps in %.0f min", per, est_total, train_minutes)
-            lr_now = _lr(step, est_total or 10_000, lr, warmup=30)
+            lr_now = warmup_cosine(step, est_total or 10_000, lr, warmup=30)
             for g in opt.param_groups:
                 g["lr"] = lr_now
             loss, st = unrolled_loss(head, embed, lm_weight, toks, feats, labels, valid, steps=unroll, scale=scale,

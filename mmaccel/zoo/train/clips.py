@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..data.clips import _QUESTIONS, make_clip
-from ..data.scenes import PALETTE
-from ..data.splits import split_seed
-from .smol_llava import projector_of
+from ...data.clips import _QUESTIONS, make_clip
+from ...data.scenes import PALETTE
+from ...data.splits import split_seed
+from ...models.smol_llava import projector_of
 
 #: Frames per training clip, with the batch size of each; a clip's length is drawn in proportion to its batch size,
 #: so that every length gets about as many steps (up to about 1,200 visual tokens per batch,
@@ -83,7 +83,7 @@ def clip_prompt_ids(processor, frames: int, question: str) -> list:
     """Token ids of the first turn about a clip of ``frames`` frames, pooled to :data:`TOKENS_PER_FRAME` tokens per
     frame: the processor's chat text with each ``<image>`` expanded to that many image tokens (the ids the
     language model sees at inference under ``pooling:keep_ratio=0.0625``)."""
-    from .train_smol_llava import messages
+    from ...data.scene_prompts import messages
 
     chat = messages(question)
     chat[0]["content"] = [{"type": "image"}] * frames + chat[0]["content"][1:]
@@ -109,7 +109,7 @@ def clip_conversations(processor, n: int, *, bases: int, seed: int = 0, frames: 
         ``seed + 2``, :data:`BASE_FRAMES` frames, their own needle removed: ``needle_frame=None``); the rendered
         needle frames ([S, S, 3] uint8), one per example.
     """
-    from .train_smol_llava import later_turn_ids
+    from ...data.scene_prompts import later_turn_ids
 
     rng = np.random.default_rng([seed, 11] + ([draw] if draw else []))
     # the base clips' own needles are removed (needle_frame=None matches no frame): a sampled clip has one needle
@@ -169,8 +169,8 @@ def pooled_clip_embeds(model, input_ids: torch.Tensor, clip_features: list, *,
     ValueError
         If a row's ``<image>`` count is not ``F * tokens_per_frame``.
     """
-    from ..vision_tokens.base import ImageGrid
-    from ..vision_tokens.pooling import pooling_plan
+    from ...vision_tokens.base import ImageGrid
+    from ...vision_tokens.pooling import pooling_plan
 
     embeds = model.get_input_embeddings()(input_ids)
     mask = input_ids == model.config.image_token_id
