@@ -12,7 +12,6 @@ are JSON files per model (:mod:`mmaccel.longctx.head_pattern`), found by
 """
 from __future__ import annotations
 
-from ..specs import build_from_registry
 from .adakv import AdaKV
 from .base import (
     EvictingLayer,
@@ -35,12 +34,13 @@ from .kvquant import KVQuant
 from .longheads import LongHeads
 from .pyramidkv import PyramidKV
 from .quest import Quest
+from .registry import METHODS, build_method
 from .retrieval_heads import RazorAttention, RetrievalHeads
 from .snapkv import SnapKV, snapkv_keep_indices, snapkv_scores
 from .streaming import StreamingLLM
 from .tova import TOVA
 
-METHODS: dict[str, type[KVMethod]] = {
+METHODS.update({
     "full": FullAttention,
     "streaming": StreamingLLM,
     "streamingllm": StreamingLLM,
@@ -61,18 +61,9 @@ METHODS: dict[str, type[KVMethod]] = {
     "kvquant": KVQuant,
     "bilevel": BiLevel,
     "longheads": LongHeads,
-}
+})
 
 
-def build_method(spec: str) -> KVMethod:
-    """Build a KV-cache method from a spec such as ``"snapkv:budget=256:window=32"`` or ``"streaming:window=256"``.
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists :data:`METHODS`), an unknown argument, or a bad value.
-    """
-    return build_from_registry(spec, METHODS, "KV-cache method")
 
 
 __all__ = [

@@ -24,7 +24,7 @@ def resolve_inner(method, owner: str) -> KVMethod:
     ValueError
         Neither a :class:`KVMethod` nor a spec, or an unknown nested method or argument.
     """
-    from . import build_method
+    from .registry import build_method
 
     return resolve_nested(method, KVMethod, build_method, owner, "snapkv,budget=256")
 

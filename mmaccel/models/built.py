@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from .paths import resolve_checkpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,9 +133,7 @@ def trained_weights(name: str, weights_dir: str | Path | None = None) -> Path:
 
 
 def _part_dirs(entry: BuiltEntry, cache_dir) -> dict:
-    from .loading import resolve_model_path
-
-    return {f"{role}_dir": resolve_model_path(part, cache_dir=cache_dir) for role, part in entry.parts}
+    return {f"{role}_dir": resolve_checkpoint(part, cache_dir=cache_dir) for role, part in entry.parts}
 
 
 def load_built(name: str, *, weights_dir: str | Path | None = None, cache_dir=None, dtype=None,

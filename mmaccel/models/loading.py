@@ -8,14 +8,9 @@ from pathlib import Path
 import torch
 
 from .built import BUILT, NotTrainedError, load_built, load_built_processor, trained_weights
-from .fetched import FETCHED, FetchError, fetch, is_fetched, verify
-from .zoo import ZOO, zoo_path
+from .paths import ModelLoadError, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message names the fix."""
 
 
 def _resolve_device(device: str) -> str:
@@ -44,11 +39,6 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-
-
 def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> str:
     """Turn a zoo name, a local directory or a hub id into what ``from_pretrained`` takes.
 
@@ -72,31 +62,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> st
             raise ModelLoadError(str(exc)) from exc
         raise ModelLoadError(f"{name} is composed from other zoo models at load time and has no single checkpoint "
                              f"folder: load it with mmaccel.load({name!r})")
-    if name in FETCHED:
-        try:
-            if not is_fetched(name, cache_dir):
-                logger.warning("%s is not in the cache yet: fetching and converting it once", name)
-                fetch(name, cache_dir=cache_dir)
-            return str(verify(name, cache_dir))
-        except FetchError as exc:
-            raise ModelLoadError(str(exc)) from exc
-    if name in ZOO:
-        path = zoo_path(name)
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"zoo model {name!r} has no weights at {path}; run `mmaccel zoo train {name}`")
-        return str(path)
-    path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory (no config.json in it)")
-        return str(path)
-    if _looks_like_hub_id(name):
-        return name
-    raise ModelLoadError(
-        f"unknown model {name!r}: not a zoo model ({', '.join([*ZOO, *FETCHED, *BUILT])}), not an existing local "
-        "directory, "
-        "and not a hub id of the form 'org/name'"
-    )
+    return resolve_checkpoint(name, cache_dir=cache_dir, known=BUILT)
 
 
 def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None, cache_dir=None,

@@ -22,7 +22,6 @@ holds transformers' own speculative paths (``hf_assisted``, ``hf_prompt_lookup``
 """
 from __future__ import annotations
 
-from ..specs import build_from_registry
 from .base import Draft, Drafter, column_positions, crop_cache, left_padding, positions_from_mask
 from .cascade import Cascade
 from .draft_model import DraftModel, check_same_vocabulary
@@ -43,6 +42,7 @@ from .harness import (
 from .jacobi import Jacobi
 from .layer_skip import LayerSkip, SkipSet, available_skip_sets, load_skip_set, search_skip_layers, skipping_layers
 from .prompt_lookup import LookupMatch, PromptLookup
+from .registry import METHODS, build_drafter
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength
 from .tree import (
@@ -59,7 +59,7 @@ from .tree import (
 )
 from .verify import residual_distribution, verify_greedy, verify_sampled
 
-METHODS: dict[str, type[Drafter]] = {
+METHODS.update({
     "draft": DraftModel,
     "prompt_lookup": PromptLookup,
     "pld": PromptLookup,
@@ -70,20 +70,9 @@ METHODS: dict[str, type[Drafter]] = {
     "eagle": Eagle,
     "eagle_tree": EagleTree,
     "cascade": Cascade,
-}
+})
 
 
-def build_drafter(spec: str) -> Drafter:
-    """Build a drafter from a spec such as ``"draft:model=micro-draft"``, ``"prompt_lookup:max_ngram=3"``,
-    ``"jacobi"``, ``"layer_skip:skip=4,7,9"`` or ``"tree:model=micro-draft:shape=3,2,2"``. Each class's docstring
-    names its paper (speculative decoding itself: Leviathan et al., 2023, arXiv 2211.17192).
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists :data:`METHODS`), an unknown argument, or a bad value.
-    """
-    return build_from_registry(spec, METHODS, "drafter")
 
 
 __all__ = [

@@ -23,7 +23,7 @@ from .sampling import Sampler
 
 def _resolve(drafter, owner: str) -> Drafter:
     """A drafter from an object or a nested spec (``"eagle,head=smollm2-135m-eagle"``: commas for colons)."""
-    from . import build_drafter
+    from .registry import build_drafter
 
     return resolve_nested(drafter, Drafter, build_drafter, owner, "eagle,head=smollm2-135m-eagle")
 

@@ -427,7 +427,7 @@ PEERS: dict[str, type[TransformersPeer]] = {
 
 def speculative_method_names() -> list[str]:
     """Every spec name this module resolves: the engine's drafters, then transformers' peers."""
-    from . import METHODS
+    from .registry import METHODS
 
     return sorted(METHODS) + sorted(PEERS)
 
@@ -461,7 +461,7 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
         An unknown name (the message lists both registries), an unknown argument (the message lists the valid
         keys), a draft length ``k <= 0``, or a bad value.
     """
-    from . import METHODS
+    from .registry import METHODS
 
     parsed = parse_method_spec(spec)
     kwargs = dict(parsed.kwargs)

@@ -14,7 +14,6 @@ budget, and only ``mass=1.0`` with it leaves the model unchanged).
 from __future__ import annotations
 
 from ..models.parts import vit_layers
-from ..specs import MethodSpec, build_from_registry
 from .adapters import VLMParts
 from .aim import AIM, iterative_merge_plan
 from .atp import ATP, adaptive_keep, image_segments, mass_count
@@ -27,11 +26,12 @@ from .pooling import Pooling, pooled_grid, pooling_plan
 from .pre_llm import ImageReducer, lift_to_sequence
 from .progressive import Progressive, parse_numbers
 from .prumerge import PruMerge, iqr_outliers, prumerge_plan
+from .registry import METHODS, build_method
 from .temporal import TemporalToMe, temporal_merge_plan
 from .tome import ToMe, bipartite_soft_matching, parse_schedule
 from .visionzip import VisionZip, visionzip_plan
 
-METHODS: dict[str, type[VisionTokenMethod]] = {
+METHODS.update({
     "pooling": Pooling,
     "tome": ToMe,
     "visionzip": VisionZip,
@@ -41,19 +41,9 @@ METHODS: dict[str, type[VisionTokenMethod]] = {
     "aim": AIM,
     "atp": ATP,
     "progressive": Progressive,
-}
+})
 
 
-def build_method(spec: str | MethodSpec) -> VisionTokenMethod:
-    """Build a visual-token method from a spec such as ``"fastv:keep_ratio=0.25:layer=2"`` or ``"tome:r=8"``.
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists ``METHODS``), an unknown key, or a bad value (e.g. ``keep_ratio``
-        outside (0, 1]).
-    """
-    return build_from_registry(spec, METHODS, kind="visual-token method")
 
 
 __all__ = [

@@ -51,7 +51,7 @@ def resolve_pruner(method: Any) -> LayerPruner:
     ValueError
         If it is not an in-LLM method (:class:`~.in_llm.LayerPruner`): the message lists the ones that are.
     """
-    from . import METHODS, build_method
+    from .registry import METHODS, build_method
 
     if isinstance(method, str):
         method = build_method(method.replace(",", ":"))
