@@ -124,7 +124,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
 
         register_attention()
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except OSError as exc:
         if is_local:
             raise ModelLoadError(f"cannot read the config in {source}: {exc}") from exc
@@ -132,6 +132,11 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
             f"cannot reach the hub for {source!r} ({type(exc).__name__}); pass a local checkpoint directory instead"
         ) from exc
     except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(
+                f"{source} ships its own model code (an auto_map in its config), and mmaccel never runs a "
+                "checkpoint's code: use a checkpoint of an architecture transformers implements"
+            ) from exc
         raise ModelLoadError(f"unsupported architecture in {source}: {exc}") from exc
     kwargs = {"dtype": torch_dtype}
     if device_map is not None:
@@ -147,7 +152,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         classes = [AutoModel]
     for auto in classes:
         try:
-            model = auto.from_pretrained(source, config=config, **kwargs)
+            model = auto.from_pretrained(source, config=config, trust_remote_code=False, **kwargs)
             break
         except ValueError as exc:  # "Unrecognized configuration class ..." for this auto class
             errors.append(str(exc).splitlines()[0])
@@ -221,16 +226,16 @@ def _load_tokenizer(source: str, auto_tokenizer):
     if not Path(source, "tokenizer_config.json").exists() and Path(source, "preprocessor_config.json").exists():
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(source)
+        return AutoImageProcessor.from_pretrained(source, trust_remote_code=False)
     try:
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(source)
+        processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
         if not _is_plain_tokenizer(processor):
             return processor
     except (OSError, ValueError, TypeError, KeyError) as exc:
         logger.debug("no processor in %s (%s); loading a tokenizer", source, exc)
-    return auto_tokenizer.from_pretrained(source)
+    return auto_tokenizer.from_pretrained(source, trust_remote_code=False)
 
 
 def _is_plain_tokenizer(obj) -> bool:

@@ -261,12 +261,12 @@ def build_processor(vision_dir, language_dir, recipe: BuildRecipe = BuildRecipe(
     if projector is not None:
         recipe = read_projector_recipe(projector)
     if patch_size is None:
-        patch_size = AutoConfig.from_pretrained(vision_dir).patch_size
+        patch_size = AutoConfig.from_pretrained(vision_dir, trust_remote_code=False).patch_size
     side = recipe.image_size
     image_processor = AutoImageProcessor.from_pretrained(
-        vision_dir, size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        vision_dir, size={"shortest_edge": side}, crop_size={"height": side, "width": side}, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(language_dir, extra_special_tokens={"image_token": IMAGE_TOKEN},
-                                              padding_side="left")
+                                              padding_side="left", trust_remote_code=False)
     return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                           vision_feature_select_strategy=recipe.vision_feature_select_strategy,
                           num_additional_image_tokens=1, chat_template=chat_template(recipe))
@@ -319,7 +319,7 @@ def build_llava(
 
     if projector is not None:
         recipe = read_projector_recipe(projector)
-    kw = {"dtype": dtype, "attn_implementation": attn_implementation}
+    kw = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
     tower = fit_positions(AutoModel.from_pretrained(vision_dir, **kw), recipe.image_size)
     lm = AutoModelForCausalLM.from_pretrained(language_dir, **kw)
     processor = build_processor(vision_dir, language_dir, recipe, patch_size=tower.config.patch_size)
