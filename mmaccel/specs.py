@@ -132,6 +132,34 @@ def build_from_registry(spec: str | MethodSpec, registry: Mapping[str, type], ki
         raise ValueError(f"bad arguments for {kind} {parsed.name!r} in {parsed.text!r}: {exc}") from exc
 
 
+class Registry:
+    """A package's registry of methods: name -> class, and the builder of a spec against it.
+
+    Each of :mod:`mmaccel.longctx`, :mod:`mmaccel.vision_tokens` and :mod:`mmaccel.speculative` keeps one in its
+    ``registry`` module, below its method modules: the package's ``__init__`` fills :attr:`methods` (one line per
+    method), and a wrapper that takes a nested spec builds it through :meth:`build` without importing its package.
+
+    Parameters
+    ----------
+    kind : str
+        What a method is, for messages (``"KV-cache method"``).
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.methods: dict[str, type] = {}
+
+    def build(self, spec: str | MethodSpec):
+        """Build a method from a spec such as ``"name:key=value"``.
+
+        Raises
+        ------
+        ValueError
+            For an unknown name (the message lists the registry), an unknown argument, or a bad value.
+        """
+        return build_from_registry(spec, self.methods, self.kind)
+
+
 def accepted_keys(cls) -> list[str] | None:
     """The keyword arguments ``cls(...)`` takes, in order (``None`` when it takes ``**kwargs``, i.e. any key)."""
     import inspect

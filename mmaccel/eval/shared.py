@@ -39,7 +39,7 @@ from ..kernels.hf import cache_kwarg
 from ..longctx import build_method, kv_cache_bytes
 from ..longctx.shared_prefill import SharedPrefill, shares_prefill
 from ..pipeline import generation_kwargs, model_inputs_for
-from .generation import RunRecord, load_average, median_or_none
+from .generation import RunRecord, _jsonable, load_average, median_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -252,13 +252,3 @@ def _fill(record: RunRecord, runs: list[dict], tokenizer) -> None:
     record.kv_cache_bytes_final = last["kv_cache_bytes_final"]
     record.telemetry = _jsonable(last["telemetry"])
 
-
-def _jsonable(obj):
-    """Telemetry made JSON-safe: tensors to lists, unknown objects to ``repr``."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else repr(obj)

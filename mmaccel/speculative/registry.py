@@ -1,22 +1,11 @@
-"""The registry of :mod:`mmaccel.speculative`: name -> class, filled once by the package's ``__init__``.
-
-It sits below every method module, so a wrapper that takes a nested spec (resolved through :func:`build_drafter`) imports
-this module and not its own package: no import circle. The CLI and the app list :data:`METHODS`.
-"""
+"""The drafters of :mod:`mmaccel.speculative` by name (:class:`mmaccel.specs.Registry`), filled by the package's
+``__init__``; below every method module, so wrappers resolve nested specs without an import circle."""
 from __future__ import annotations
 
-from ..specs import MethodSpec, build_from_registry
+from ..specs import Registry
 
-#: name -> drafter class; the package's ``__init__`` fills it (one line per method).
-METHODS: dict[str, type] = {}
-
-
-def build_drafter(spec: str | MethodSpec):
-    """Build a drafter from a spec such as ``"name:key=value"``.
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists :data:`METHODS`), an unknown argument, or a bad value.
-    """
-    return build_from_registry(spec, METHODS, 'drafter')
+REGISTRY = Registry('drafter')
+#: name -> class; the CLI and the app list it.
+METHODS = REGISTRY.methods
+#: spec -> a drafter (:meth:`mmaccel.specs.Registry.build`).
+build_drafter = REGISTRY.build

@@ -1,22 +1,11 @@
-"""The registry of :mod:`mmaccel.vision_tokens`: name -> class, filled once by the package's ``__init__``.
-
-It sits below every method module, so a wrapper that takes a nested spec (resolved through :func:`build_method`) imports
-this module and not its own package: no import circle. The CLI and the app list :data:`METHODS`.
-"""
+"""The visual-token methods of :mod:`mmaccel.vision_tokens` by name (:class:`mmaccel.specs.Registry`), filled by the package's
+``__init__``; below every method module, so wrappers resolve nested specs without an import circle."""
 from __future__ import annotations
 
-from ..specs import MethodSpec, build_from_registry
+from ..specs import Registry
 
-#: name -> visual-token method class; the package's ``__init__`` fills it (one line per method).
-METHODS: dict[str, type] = {}
-
-
-def build_method(spec: str | MethodSpec):
-    """Build a visual-token method from a spec such as ``"name:key=value"``.
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists :data:`METHODS`), an unknown argument, or a bad value.
-    """
-    return build_from_registry(spec, METHODS, 'visual-token method')
+REGISTRY = Registry('visual-token method')
+#: name -> class; the CLI and the app list it.
+METHODS = REGISTRY.methods
+#: spec -> a visual-token method (:meth:`mmaccel.specs.Registry.build`).
+build_method = REGISTRY.build
