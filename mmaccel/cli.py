@@ -176,13 +176,16 @@ def _add_repeat_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _add_sweep_args(p: argparse.ArgumentParser) -> None:
-    """``--resume``, ``--overwrite`` and ``--no-shared-prefill`` of a sweep on :mod:`mmaccel.eval.sweep`."""
+def _add_sweep_args(p: argparse.ArgumentParser, *, shared_prefill: bool = True) -> None:
+    """``--resume``, ``--overwrite`` (and, for KV-method sweeps, ``--no-shared-prefill``) of a sweep on
+    :mod:`mmaccel.eval.sweep`."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true",
                    help="finish the sweep in a non-empty --out: skip the finished cells, run the rest")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the sweep files in a non-empty --out (deleted once the first new record is written)")
+    if not shared_prefill:
+        return
     p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                    help="run every KV method with its own prefill (a timing study); default: methods that only "
                         "compress after a full prefill share one per prompt")
@@ -248,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_repeat_args(p, max_new_tokens=4)
     p.add_argument("--out", default="runs/vision-sweep", help="output folder (default runs/vision-sweep)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_sweep_args(p, shared_prefill=False)
     p.set_defaults(func=cmd_vision_sweep)
 
     p = sub.add_parser("video-niah", help="video needle-in-a-haystack: frames x depth heatmaps, peak memory, the "
@@ -506,17 +510,20 @@ def _compare_visual(args) -> int:
 
 def cmd_vision_sweep(args) -> int:
     """``mmaccel vision-sweep``: accuracy vs visual-token budget; prints the table, writes the folder."""
+    from .eval.sweep import check_out_dir
     from .eval.vision_sweep import build_cells, sweep_table, vision_sweep
 
     if args.warmup < 0:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     cells = build_cells(args.methods, args.budgets)  # bad methods fail before the model loads
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     model, processor = _load_vlm(args)
     print(f"vision-sweep: {args.n} held-out questions x ({len(cells)} cells + the all-token baseline) = "
           f"{args.n * (len(cells) + 1)} runs; model {args.model}, {torch_threads()} threads", flush=True)
     result = vision_sweep(model, processor, args.methods, args.budgets, n=args.n, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                          out_dir=args.out, progress=not args.no_progress)
+                          out_dir=args.out, progress=not args.no_progress, resume=args.resume,
+                          overwrite=args.overwrite)
     print(sweep_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {result.plot.name}")
     return 0

@@ -40,9 +40,7 @@ Output folder
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -255,6 +253,8 @@ def vision_sweep(
     warmup: int = 1,
     out_dir=None,
     progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> VisionSweepResult:
     """Run every (method, budget) cell and the full-token baseline on ``n`` scene questions.
 
@@ -281,6 +281,9 @@ def vision_sweep(
         Where ``results.jsonl``, ``summary.json`` and the PNG go (module docstring); nothing is written when ``None``.
     progress : bool
         Show a tqdm progress bar.
+    resume, overwrite : bool
+        What to do with a non-empty ``out_dir`` (:func:`mmaccel.eval.sweep.sweep`): finish it, skipping the runs
+        already recorded, or replace it; refused otherwise.
 
     Returns
     -------
@@ -293,9 +296,9 @@ def vision_sweep(
         method the model does not support (``UnsupportedModelError``, e.g. FastV's layer past the model's depth).
         Failures of single runs are recorded as ``status="failed"`` and the sweep goes on.
     """
-    from tqdm.auto import tqdm
-
     from ..data.scenes import make_scene_qa
+    from .sweep import Cell as SweepCell
+    from .sweep import check_out_dir, finished_records, sweep
 
     check_vlm_processor(processor)
     if n < 1:
@@ -303,52 +306,63 @@ def vision_sweep(
     cells = build_cells(methods, budgets)
     for c in cells:
         c.vision.check(model)
+    out = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
     cost = PrefillCost.of(model)
     qas = make_scene_qa(n, seed=seed, split=split)
     everything = [Cell(BASELINE, 1.0, BASELINE)] + cells
-    out = Path(out_dir) if out_dir is not None else None
-    records: list[dict] = []
-    with contextlib.ExitStack() as stack:
-        sink = None
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(out / "results.jsonl", "w", encoding="utf-8"))
-        bar = stack.enter_context(tqdm(total=len(qas) * len(everything), desc="vision-sweep", unit="run",
-                                       disable=not progress))
-        for i, qa in enumerate(qas):
+    config = {"methods": list(dict.fromkeys(c.method for c in cells)), "budgets": [float(b) for b in
+              dict.fromkeys(c.budget for c in cells)], "n": n, "seed": seed, "split": split,
+              "max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup,
+              "lm_layer_params": list(cost.layer_params), "d_attn": cost.d_attn}
+    # every cell of question i, the baseline first (the others' flops_ratio and same_as_baseline refer to it)
+    units = [SweepCell(cell.label, sample=f"q{i}", fields={"question_index": i}, payload=(cell, i))
+             for i in range(len(qas)) for cell in everything]
+    baselines = {r["extra"]["question_index"]: r for r in (finished_records(out) if resume and out else {}).values()
+                 if r.get("method") == BASELINE and r.get("status") == "ok"}
+    warmed: set[str] = set()
+    prepared: dict[int, tuple] = {}
+
+    def run(unit) -> dict:
+        cell, i = unit.payload
+        qa = qas[i]
+        if i not in prepared:
+            prepared.clear()  # one question's inputs at a time
             inputs = chat_inputs(processor, [qa.image], qa.question)
-            visual = image_token_count(model, inputs)
-            base = None
-            for cell in everything:
-                bar.set_postfix_str(f"q{i} {cell.label}")
-                rec = generate_measured(model, processor.tokenizer, inputs, vision=cell.vision, label=cell.label,
-                                        max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup if i == 0 else 0)
-                row = rec.to_dict()
-                flops = cost.flops(cost.tokens_per_layer(row)) if rec.ok else None
-                if cell.method == BASELINE:
-                    base = row if rec.ok else None
-                    base_flops = flops
-                row["extra"].update(
-                    cell=cell.method, budget=cell.budget, question_index=i, kind=qa.kind, question=qa.question,
-                    answer=qa.answer, correct=rec.ok and score(rec.output_text, qa.answer),
-                    visual_tokens_input=visual, lm_prefill_flops=flops,
-                    flops_ratio=flops / base_flops if flops is not None and base is not None else None,
-                    same_as_baseline=None if base is None or not rec.ok else rec.output_ids == base["output_ids"],
-                )
-                records.append(row)
-                if sink is not None:
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-                bar.update(1)
-    summary = summarize_sweep(records)
-    summary["config"] = {"methods": list(dict.fromkeys(c.method for c in cells)), "budgets": [float(b) for b in
-                         dict.fromkeys(c.budget for c in cells)], "n": n, "seed": seed, "split": split,
-                         "max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup,
-                         "lm_layer_params": list(cost.layer_params), "d_attn": cost.d_attn}
-    result = VisionSweepResult(records=records, summary=summary, out_dir=out)
-    if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        result.plot = plot_sweep(summary, out / PLOT_FILE)
+            prepared[i] = (inputs, image_token_count(model, inputs))
+        inputs, visual = prepared[i]
+        rec = generate_measured(model, processor.tokenizer, inputs, vision=cell.vision, label=cell.label,
+                                max_new_tokens=max_new_tokens, repeats=repeats,
+                                warmup=0 if cell.label in warmed else warmup)
+        warmed.add(cell.label)  # warm-up runs once per cell, on the first question it runs
+        row = rec.to_dict()
+        flops = cost.flops(cost.tokens_per_layer(row)) if rec.ok else None
+        if cell.method == BASELINE and rec.ok:
+            baselines[i] = {**row, "extra": {**row["extra"], "lm_prefill_flops": flops}}
+        base = baselines.get(i)
+        base_flops = base["extra"]["lm_prefill_flops"] if base is not None else None
+        row["extra"].update(
+            cell=cell.method, budget=cell.budget, question_index=i, kind=qa.kind, question=qa.question,
+            answer=qa.answer, correct=rec.ok and score(rec.output_text, qa.answer),
+            visual_tokens_input=visual, lm_prefill_flops=flops,
+            flops_ratio=flops / base_flops if flops is not None and base_flops else None,
+            same_as_baseline=None if base is None or not rec.ok else rec.output_ids == base["output_ids"],
+        )
+        return row
+
+    def summarize(records: list[dict]) -> dict:
+        summary = summarize_sweep(records)
+        summary["config"] = config
+        return summary
+
+    def plot(folder, summary, records):
+        plots.append(plot_sweep(summary, folder / PLOT_FILE))
+
+    plots: list = []
+    done = sweep(units, run, out=out, resume=resume, overwrite=overwrite, summarize=summarize, write_extra=plot,
+                 config=config, progress=progress, desc="vision-sweep", rotate=False)
+    result = VisionSweepResult(records=done.records, summary=done.summary, out_dir=out)
+    if plots:
+        result.plot = plots[0]
         logger.info("wrote %s", out)
     return result
 
