@@ -273,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_repeat_args(p, max_new_tokens=6)
     p.add_argument("--out", default="runs/video-niah", help="output folder (default runs/video-niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_sweep_args(p, shared_prefill=False)
     p.set_defaults(func=cmd_video_niah)
 
     p = sub.add_parser("tome-sweep", help="ToMe schedules on a ViT: images/s vs linear-probe accuracy on scene "
@@ -532,6 +533,7 @@ def cmd_vision_sweep(args) -> int:
 def cmd_video_niah(args) -> int:
     """``mmaccel video-niah``: frames x depth per method; prints the table (and the memory budget), writes the
     folder."""
+    from .eval.sweep import check_out_dir
     from .eval.video_niah import video_niah, video_table
     from .eval.visual import parse_visual_config
 
@@ -539,11 +541,12 @@ def cmd_video_niah(args) -> int:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     for spec in args.methods:
         parse_visual_config(spec)  # bad methods fail before the model loads
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     model, processor = _load_vlm(args)
     result = video_niah(model, processor, args.methods, args.frames, args.depths, trials=args.trials, seed=args.seed,
                         kind=args.kind, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                         memory_budget=args.memory_budget, vision_batch=args.vision_batch, out_dir=args.out,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
     print(video_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json, {len(result.heatmaps)} heatmap(s) and "
           "peak_memory.png")

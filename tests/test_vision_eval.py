@@ -237,6 +237,15 @@ def test_video_niah_writes_heatmaps_and_the_memory_report(vlm, tmp_path):
     # a budget below every run: nothing fits
     tight = summarize_video(result.records, methods, [1, 2], [0.0, 1.0], memory_budget=1)
     assert all(m["largest_frames_within_budget"] is None for m in tight["memory"]["methods"].values())
+    # on the sweep harness: a rerun into the finished folder is refused and touches nothing; --resume runs nothing
+    before = (tmp_path / "results.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="--resume|--overwrite"):
+        video_niah(model, processor, methods, [1, 2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
+                   out_dir=tmp_path, progress=False)
+    again = video_niah(model, processor, methods, [1, 2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
+                       memory_budget=2**40, out_dir=tmp_path, progress=False, resume=True)
+    assert (tmp_path / "results.jsonl").read_bytes() == before
+    assert [r["output_ids"] for r in again.records] == [r["output_ids"] for r in result.records]
 
 
 def test_memory_budget_estimate_solves_the_fitted_line():

@@ -52,7 +52,6 @@ Output folder
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -160,6 +159,8 @@ def video_niah(
     vision_batch: int | None = None,
     out_dir=None,
     progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> VideoNIAHResult:
     """Run every method on every (frames, depth, trial) clip.
 
@@ -191,6 +192,9 @@ def video_niah(
         Where the files of the module docstring go; nothing is written when ``None``.
     progress : bool
         Show a tqdm progress bar.
+    resume, overwrite : bool
+        What to do with a non-empty ``out_dir`` (:func:`mmaccel.eval.sweep.sweep`): finish it, skipping the runs
+        already recorded, or replace it; refused otherwise.
 
     Returns
     -------
@@ -204,10 +208,10 @@ def video_niah(
         ``vision_batch`` below 1 or on a model it does not support. A run
         that fails is recorded as ``status="failed"`` and the sweep goes on.
     """
-    from tqdm.auto import tqdm
-
     from ..data.clips import CLIP_KINDS, make_clip
     from ..data.splits import split_seed
+    from .sweep import Cell as SweepCell
+    from .sweep import check_out_dir, sweep
 
     check_vlm_processor(processor)
     if isinstance(methods, str):
@@ -235,54 +239,55 @@ def video_niah(
     _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens,
                     configs)
 
-    out = Path(out_dir) if out_dir is not None else None
-    records: list[dict] = []
-    warmed: set[str] = set()
-    with contextlib.ExitStack() as stack:
-        if batched is not None:
-            stack.enter_context(batched)
-        sink = None
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(out / "results.jsonl", "w", encoding="utf-8"))
-        total = len(frames) * len(depths) * trials * len(configs)
-        bar = stack.enter_context(tqdm(total=total, desc="video-niah", unit="run", disable=not progress))
-        for n_frames in frames:
-            for depth in depths:
-                for trial in range(trials):
-                    clip_seed = split_seed("test", seed, trial)
-                    clip = make_clip(n_frames, seed=clip_seed, depth=depth, size=size, kind=kind)
-                    inputs = chat_inputs(processor, clip_images(clip), clip.question)
-                    for config in configs:
-                        bar.set_postfix_str(f"{config.label} T={n_frames} d={depth:g}")
-                        rec = run_config(model, processor, inputs, config, answer=clip.answer,
-                                         max_new_tokens=max_new_tokens, repeats=repeats,
-                                         warmup=0 if config.label in warmed else warmup, warmup_inputs=warm_inputs)
-                        warmed.add(config.label)
-                        rec.extra.update(frames=n_frames, length=n_frames, depth=depth, trial=trial,
-                                         clip_seed=clip_seed, needle_frame=clip.needle_frame, kind=kind,
-                                         question=clip.question)
-                        row = rec.to_dict()
-                        records.append(row)
-                        if sink is not None:
-                            sink.write(json.dumps(row) + "\n")
-                            sink.flush()
-                        bar.update(1)
-                    del inputs
-
     labels = [c.label for c in configs]
-    summary = summarize_video(records, labels, frames, depths, memory_budget)
-    summary["config"] = {"methods": labels, "frames": frames, "depths": depths, "trials": trials, "seed": seed,
-                         "kind": kind, "size": size, "max_new_tokens": max_new_tokens, "repeats": repeats,
-                         "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch}
-    result = VideoNIAHResult(records=records, summary=summary, out_dir=out)
-    if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    config = {"methods": labels, "frames": frames, "depths": depths, "trials": trials, "seed": seed,
+              "kind": kind, "size": size, "max_new_tokens": max_new_tokens, "repeats": repeats,
+              "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch}
+    out = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
+    cells = [SweepCell(c.label, sample=f"T={n}/d={d:g}/t={t}", fields={"frames": n, "depth": d, "trial": t},
+                       payload=c)
+             for n in frames for d in depths for t in range(trials) for c in configs]
+    warmed: set[str] = set()
+    clips: dict[tuple, tuple] = {}
+
+    def run(cell) -> dict:
+        n_frames, depth, trial = cell.fields["frames"], cell.fields["depth"], cell.fields["trial"]
+        key = (n_frames, depth, trial)
+        if key not in clips:
+            clips.clear()  # one clip's frames at a time
+            clip_seed = split_seed("test", seed, trial)
+            clip = make_clip(n_frames, seed=clip_seed, depth=depth, size=size, kind=kind)
+            clips[key] = (clip, clip_seed, chat_inputs(processor, clip_images(clip), clip.question))
+        clip, clip_seed, inputs = clips[key]
+        config = cell.payload
+        rec = run_config(model, processor, inputs, config, answer=clip.answer, max_new_tokens=max_new_tokens,
+                         repeats=repeats, warmup=0 if config.label in warmed else warmup, warmup_inputs=warm_inputs)
+        warmed.add(config.label)
+        rec.extra.update(frames=n_frames, length=n_frames, depth=depth, trial=trial, clip_seed=clip_seed,
+                         needle_frame=clip.needle_frame, kind=kind, question=clip.question)
+        return rec.to_dict()
+
+    def summarize(records: list[dict]) -> dict:
+        summary = summarize_video(records, labels, frames, depths, memory_budget)
+        summary["config"] = config
+        return summary
+
+    result = VideoNIAHResult(records=[], summary={}, out_dir=out)
+
+    def plots(folder, summary, records):
         for label in labels:
             result.heatmaps[label] = plot_frames_heatmap(summary["methods"][label]["cells"], frames, depths,
                                                          f"video NIAH accuracy: {label}",
-                                                         out / f"heatmap_{safe_label(label)}.png")
-        result.memory_plot = plot_memory(summary, out / "peak_memory.png")
+                                                         folder / f"heatmap_{safe_label(label)}.png")
+        result.memory_plot = plot_memory(summary, folder / "peak_memory.png")
+
+    with contextlib.ExitStack() as stack:
+        if batched is not None:
+            stack.enter_context(batched)
+        done = sweep(cells, run, out=out, resume=resume, overwrite=overwrite, summarize=summarize,
+                     write_extra=plots, config=config, progress=progress, desc="video-niah")
+    result.records, result.summary = done.records, done.summary
+    if out is not None:
         logger.info("wrote %s", out)
     return result
 
