@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/tome-sweep", help="output folder (default runs/tome-sweep)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_sweep_args(p, shared_prefill=False)
     p.set_defaults(func=cmd_tome_sweep)
 
     p = sub.add_parser("app", help="the Gradio workbench (mmaccel.apps.workbench; arguments go to it)", add_help=False)
@@ -366,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for oneDNN, so a forward of a few tokens costs about one token's (mmaccel.kernels."
                         "PackedLinears)")
     p.add_argument("--out", default="runs/spec-bench", help="output folder (default runs/spec-bench)")
+    _add_sweep_args(p, shared_prefill=False)
     p.set_defaults(func=cmd_spec_bench)
     return parser
 
@@ -555,11 +557,13 @@ def cmd_video_niah(args) -> int:
 
 def cmd_tome_sweep(args) -> int:
     """``mmaccel tome-sweep``: ToMe schedules on a ViT; prints the table, writes ``summary.json`` and the PNG."""
+    from .eval.sweep import check_out_dir
     from .eval.tome_sweep import resolve_schedules, tome_sweep, tome_table
     from .models import load
     from .models.loading import load_tokenizer
 
     resolve_schedules(args.schedules)  # bad schedules fail before the model loads
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     if hasattr(load_tokenizer(args.model), "tokenizer"):
         raise CLIError(f"tome-sweep measures a ViT on its own (e.g. --model dinov2-small); {args.model} is a "
                        "vision-language model: `mmaccel vision-sweep --methods tome` sweeps ToMe inside it")
@@ -567,7 +571,8 @@ def cmd_tome_sweep(args) -> int:
                                   attn_implementation=args.attn_implementation)
     result = tome_sweep(model.eval(), image_processor, args.schedules, train=args.train, test=args.test,
                         frames=args.frames, probes=args.probes, batch=args.batch, repeats=args.repeats, l2=args.l2,
-                        seed=args.seed, out_dir=args.out, progress=not args.no_progress)
+                        seed=args.seed, out_dir=args.out, progress=not args.no_progress, resume=args.resume,
+                        overwrite=args.overwrite)
     s = result.summary
     print(f"tome-sweep: model {args.model}, {s['config']['train']} train / {s['config']['test']} test scenes, "
           f"batch {s['config']['batch']} at {s['config']['image_px']} px, device {s['device']}, {s['threads']} "
@@ -790,12 +795,14 @@ def cmd_spec_bench(args) -> int:
     from .pipeline import resolve_methods
     from .data.haystack import resolve_chat_template
     from .eval.specbench import check_draft_tokenizers, run_spec_bench
+    from .eval.sweep import check_out_dir
 
     if not args.temperature >= 0:
         raise CLIError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.warmup < 0:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     resolved = resolve_methods(["full"] + [m for m in args.methods if m != "full"], draft=args.draft)
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
     check_draft_tokenizers(resolved, tokenizer)
@@ -804,6 +811,7 @@ def cmd_spec_bench(args) -> int:
         model, tokenizer, args.methods, prompts=args.prompts, n_prompts=args.n_prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, temperature=args.temperature,
         draft=args.draft, chat_template=chat, seed=args.seed, out_dir=args.out, packed_linear=args.packed_linear,
+        resume=args.resume, overwrite=args.overwrite,
     )
     cfg = result.summary["config"]
     load = result.records[0].load_avg_1m if result.records else None

@@ -108,7 +108,7 @@ def test_spec_round_trips_through_the_registry():
 
 @pytest.mark.parametrize("spec, match", [
     ("chunked_ffn:chunk=0", "chunk must be an integer >= 1"),
-    ("chunked_ffn:method=chunked_ffn,chunk=4", "already chunked_ffn"),
+    ("chunked_ffn:method=chunked_ffn,chunk=4", "chunked_ffn cannot wrap itself"),
     ("chunked_ffn:method=nope", "nope"),
 ])
 def test_bad_specs_give_one_clear_error(spec, match):

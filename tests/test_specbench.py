@@ -104,6 +104,16 @@ def test_tiny_random_llama_with_a_draft_object_is_identical(tmp_path):
     assert rows["full"]["forward_ratio"] == 1.0 and rows["full"]["speedup"] == 1.0
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == 12 and json.loads((tmp_path / "summary.json").read_text())["baseline"] == "full"
+    # on the sweep harness: a rerun into the finished folder is refused; --resume reruns nothing, same table
+    with pytest.raises(ValueError, match="--resume|--overwrite"):
+        run_spec_bench(model, tok, ["draft"], prompts="copy", n_prompts=2, max_new_tokens=12, repeats=1, warmup=0,
+                       draft=draft, out_dir=tmp_path)
+    again = run_spec_bench(model, tok, ["draft", "prompt_lookup", "jacobi", "hf_assisted", "hf_prompt_lookup"],
+                           prompts="copy", n_prompts=2, max_new_tokens=12, repeats=1, warmup=0, draft=draft,
+                           out_dir=tmp_path, resume=True)
+    assert (tmp_path / "results.jsonl").read_text().splitlines() == lines
+    assert [r.output_ids for r in again.records] == [r.output_ids for r in res.records]
+    assert again.summary["sets"]["copy"]["draft"]["identical"] == 2
 
 
 # -------------------------------------------------------------------------------------------------- identity
@@ -155,7 +165,7 @@ def test_spec_bench_cli_end_to_end(capsys, tmp_path):
                                                       "hf_assisted", "hf_prompt_lookup"] * 2
     assert all("yes 1/1" in r for r in rows if "autoregressive" not in r)
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 10 and all(set(r) == RECORD_FIELDS and r["status"] == "ok" for r in records)
+    assert len(records) == 10 and all(set(r) == RECORD_FIELDS | {"cell_id"} and r["status"] == "ok" for r in records)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["sets"]) == {"free", "copy"} and summary["config"]["threads"] == 1
 

@@ -363,6 +363,18 @@ def test_tome_sweep_cli_on_a_tiny_dinov2(capsys, parts, tmp_path):  # noqa: F811
         assert all(0.0 <= a <= 1.0 for a in r["probe_accuracy"].values()) and r["images_per_s"] > 0
     assert _is_png(tmp_path / "tome_sweep.png")
     assert "| tome:r=8 | 34 |" in out
+    # on the sweep harness: a rerun into the finished folder is refused and touches nothing; --resume keeps the
+    # measured schedules (probe rows) and measures the throughput again
+    args = ["tome-sweep", "--model", parts[0], "--schedules", "tome:r=0", "tome:r=8", "--train", "8", "--test", "4",
+            "--frames", "2", "--batch", "4", "--repeats", "1", "--no-progress", "--out", tmp_path]
+    records = (tmp_path / "results.jsonl").read_bytes()
+    rc, _, err = _run(capsys, *args)
+    assert rc == 2 and "--resume" in err and (tmp_path / "results.jsonl").read_bytes() == records
+    rc, _, err = _run(capsys, *args, "--resume")
+    assert rc == 0, err
+    again = {r["spec"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert (tmp_path / "results.jsonl").read_bytes() == records
+    assert [r["probe_accuracy"] for r in again.values()] == [r["probe_accuracy"] for r in rows.values()]
 
 
 def test_probe_fits_a_separable_attribute():

@@ -25,7 +25,7 @@ forward counts (``forward_ratio``) are the trustworthy number; timings need a qu
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import random
 import statistics
@@ -39,6 +39,8 @@ import torch
 from ..kernels.packed_linear import PackedLinears
 from ..pipeline import resolve_methods
 from .generation import RunRecord, generate_measured, load_average
+from .sweep import Cell as SweepCell
+from .sweep import check_out_dir, finished_records, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +254,9 @@ def run_spec_bench(
     baseline: str = BASELINE,
     out_dir=None,
     packed_linear: bool = False,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
 ) -> SpecBenchResult:
     """Run every method and the autoregressive baseline on the same prompts; Spec-Bench's table and identity check.
 
@@ -283,7 +288,13 @@ def run_spec_bench(
     baseline : str
         The autoregressive reference, run first on every prompt (default ``"full"``: plain ``generate``).
     out_dir : path, optional
-        Writes ``results.jsonl`` (one record per line, appended as it goes) and ``summary.json``.
+        Writes ``results.jsonl`` (one record per line, appended and fsynced as it goes) and ``summary.json``
+        (atomically), through :func:`mmaccel.eval.sweep.sweep`.
+    resume, overwrite : bool
+        What to do with a non-empty ``out_dir``: finish it (the runs recorded are kept, the rest run) or replace
+        it; refused otherwise, before anything runs.
+    progress : bool or None
+        The progress bar (``None``: only on a terminal).
     packed_linear : bool
         Run everything, the baseline included, with the linear layers of the target and of the drafts (a draft
         model, an EAGLE head, transformers' assistant) prepacked for oneDNN (:class:`~mmaccel.kernels.PackedLinears`;
@@ -311,6 +322,7 @@ def run_spec_bench(
         if s not in PROMPT_SETS:
             raise ValueError(f"unknown prompt set {s!r}; choose free, copy or both")
     methods = [methods] if isinstance(methods, str) else list(methods)
+    out_dir = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
     resolved = resolve_methods([baseline] + [m for m in methods if m != baseline], draft=draft)
     for obj, _ in resolved:
         prepare = getattr(obj, "prepare", None)
@@ -320,22 +332,18 @@ def run_spec_bench(
     with PackedLinears(model, *drafts) if packed_linear else nullcontext():
         return _measure(model, tokenizer, resolved, sets, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
                         repeats=repeats, warmup=warmup, temperature=temperature, chat_template=chat_template,
-                        seed=seed, out_dir=out_dir, packed_linear=packed_linear)
+                        seed=seed, out_dir=out_dir, packed_linear=packed_linear, resume=resume,
+                        overwrite=overwrite, progress=progress)
 
 
 def _measure(model, tokenizer, resolved, sets, *, n_prompts, max_new_tokens, repeats, warmup, temperature,
-             chat_template, seed, out_dir, packed_linear) -> SpecBenchResult:
+             chat_template, seed, out_dir, packed_linear, resume, overwrite, progress) -> SpecBenchResult:
     """The runs of :func:`run_spec_bench`, after its checks (``resolved``: its (method, label) pairs, baseline
     first)."""
     base_label = resolved[0][1]
     prompt_sets = {s: build_prompt_set(tokenizer, s, n=n_prompts, chat_template=chat_template, seed=seed)
                    for s in sets}
 
-    out_path = None
-    if out_dir is not None:
-        out_path = Path(out_dir)
-        out_path.mkdir(parents=True, exist_ok=True)
-        (out_path / "results.jsonl").write_text("")
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     first = prompt_sets[sets[0]][0]
     if warmup:
@@ -343,42 +351,50 @@ def _measure(model, tokenizer, resolved, sets, *, n_prompts, max_new_tokens, rep
         for obj, label in resolved:
             generate_measured(model, tokenizer, first.input_ids, method=obj, label=label, repeats=warmup, warmup=0,
                               **kw)
+    config = {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "temperature": temperature,
+              "n_prompts": n_prompts, "prompt_sets": sets, "chat_template": chat_template, "seed": seed,
+              "packed_linear": packed_linear, "methods": [label for _, label in resolved]}
+    # every method on one prompt, the baseline first (the others' identity check refers to it)
+    cells = [SweepCell(label, sample=f"{s}/{p.prompt_id}", fields={"prompt_set": s, "prompt_id": p.prompt_id},
+                       payload=(obj, p)) for s in sets for p in prompt_sets[s] for obj, label in resolved]
+    baselines = {(r["extra"]["prompt_set"], r["extra"]["prompt_id"]): r["output_ids"]
+                 for r in (finished_records(out_dir) if resume and out_dir else {}).values()
+                 if r.get("method") == base_label and r.get("status") == "ok"}
 
-    records: list[RunRecord] = []
-    for s in sets:
-        for p in prompt_sets[s]:
-            base_rec = None
-            for obj, label in resolved:
-                rec = generate_measured(model, tokenizer, p.input_ids, method=obj, label=label, repeats=repeats,
-                                        warmup=0, **kw)
-                if base_rec is None:
-                    base_rec = rec
-                identical = first_diff = None
-                if temperature == 0 and base_rec.ok and rec.ok:
-                    identical = rec.output_ids == base_rec.output_ids
-                    first_diff = None if identical else _first_difference(rec.output_ids, base_rec.output_ids)
-                lossless = bool(getattr(obj, "lossless", True))
-                rec.extra.update(prompt_set=s, prompt_id=p.prompt_id, task=p.task, kind=_kind(obj),
-                                 baseline=label == base_label, identical_to_baseline=identical,
-                                 first_difference=first_diff, lossless=lossless,
-                                 total_s=_total_seconds(rec))
-                if identical is False and lossless:
-                    logger.warning("%s: output differs from plain greedy decoding on %s prompt %d (first at token "
-                                   "%s) although the method is lossless", label, s, p.prompt_id, first_diff)
-                records.append(rec)
-                if out_path is not None:
-                    with open(out_path / "results.jsonl", "a") as f:
-                        f.write(json.dumps(rec.to_dict()) + "\n")
-    summary = summarize_spec_bench([r.to_dict() for r in records], base_label)
-    summary["config"] = {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup,
-                         "temperature": temperature, "n_prompts": n_prompts, "prompt_sets": sets,
-                         "chat_template": chat_template, "seed": seed, "threads": torch.get_num_threads(),
-                         "packed_linear": packed_linear,
-                         "load_avg_1m_end": load_average(),
-                         "device": records[0].device if records else "", "dtype": records[0].dtype if records else ""}
-    if out_path is not None:
-        (out_path / "summary.json").write_text(json.dumps(summary, indent=2))
-    return SpecBenchResult(records=records, summary=summary, out_dir=out_path)
+    def run(cell) -> dict:
+        obj, p = cell.payload
+        s, label = cell.fields["prompt_set"], cell.method
+        rec = generate_measured(model, tokenizer, p.input_ids, method=obj, label=label, repeats=repeats, warmup=0,
+                                **kw)
+        if label == base_label and rec.ok:
+            baselines[(s, p.prompt_id)] = rec.output_ids
+        base_ids = baselines.get((s, p.prompt_id))
+        identical = first_diff = None
+        if temperature == 0 and base_ids is not None and rec.ok:
+            identical = rec.output_ids == base_ids
+            first_diff = None if identical else _first_difference(rec.output_ids, base_ids)
+        lossless = bool(getattr(obj, "lossless", True))
+        rec.extra.update(prompt_set=s, prompt_id=p.prompt_id, task=p.task, kind=_kind(obj),
+                         baseline=label == base_label, identical_to_baseline=identical, first_difference=first_diff,
+                         lossless=lossless, total_s=_total_seconds(rec))
+        if identical is False and lossless:
+            logger.warning("%s: output differs from plain greedy decoding on %s prompt %d (first at token %s) "
+                           "although the method is lossless", label, s, p.prompt_id, first_diff)
+        return rec.to_dict()
+
+    def summarize(records: list[dict]) -> dict:
+        summary = summarize_spec_bench(records, base_label)
+        summary["config"] = {**{k: v for k, v in config.items() if k != "methods"},
+                             "threads": torch.get_num_threads(), "load_avg_1m_end": load_average(),
+                             "device": records[0]["device"] if records else "",
+                             "dtype": records[0]["dtype"] if records else ""}
+        return summary
+
+    done = sweep(cells, run, out=out_dir, resume=resume, overwrite=overwrite, summarize=summarize, config=config,
+                 progress=progress, desc="spec-bench", rotate=False)
+    fields = {f.name for f in dataclasses.fields(RunRecord)}
+    records = [RunRecord(**{k: v for k, v in r.items() if k in fields}) for r in done.records]
+    return SpecBenchResult(records=records, summary=done.summary, out_dir=out_dir)
 
 
 def _sum(values) -> float | None:

@@ -23,7 +23,6 @@ Output folder: ``summary.json`` (``config``, environment, ``rows``: one per sche
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -253,6 +252,8 @@ def tome_sweep(
     seed: int = 0,
     out_dir=None,
     progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> ToMeSweepResult:
     """Measure every ToMe schedule beside the unmerged model: throughput, probe accuracy, feature fidelity.
 
@@ -280,6 +281,10 @@ def tome_sweep(
         Where ``summary.json`` and ``tome_sweep.png`` go; nothing is written when ``None``.
     progress : bool
         Show a progress bar over the schedules.
+    resume, overwrite : bool
+        What to do with a non-empty ``out_dir`` (:func:`mmaccel.eval.sweep.sweep`): ``resume`` keeps the schedules
+        already measured (their probe and fidelity rows in ``results.jsonl``) and runs the rest; the throughput of
+        every schedule is always measured again, together, in this process. Refused otherwise.
 
     Returns
     -------
@@ -296,11 +301,11 @@ def tome_sweep(
         ViT with pre-norm blocks, a schedule longer than the model), a vision-language model (give its tower), an
         unknown probe, or counts out of range.
     """
-    from tqdm.auto import tqdm
-
     from ..data.scenes import make_scene
     from ..data.splits import split_seed
     from ..vision_tokens import VLMParts
+    from .sweep import Cell as SweepCell
+    from .sweep import check_out_dir, sweep
 
     methods = resolve_schedules(schedules)
     if not isinstance(VLMParts.find(model), str):
@@ -328,42 +333,62 @@ def tome_sweep(
     frame_pixels = image_processor(images=frame_images, return_tensors="pt")["pixel_values"].to(model.device,
                                                                                                    model.dtype)
     ref_cls, ref_patch, _ = pooled_features(model, frame_pixels)
-    rows = []
-    for label, method in tqdm(methods.items(), desc="tome-sweep", unit="schedule", disable=not progress):
+    out = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
+    config = {"model": type(model).__name__, "schedules": list(methods)[1:], "train": train, "test": test,
+              "frames": frames, "probes": list(probes), "batch": batch, "repeats": repeats, "l2": l2, "seed": seed}
+
+    def run(cell) -> dict:
+        """One schedule's probe accuracies and feature fidelity (the record of its cell)."""
+        method = cell.payload
         feats = {split: image_features(model, image_processor, images[split], method, batch) for split in images}
         acc = {p: probe_accuracy(feats["train"], labels[p]["train"], feats["test"], labels[p]["test"], l2=l2)
                for p in probes}
         cls, patch, telemetry = pooled_features(model, frame_pixels, method)
         cos_cls = torch.nn.functional.cosine_similarity(cls, ref_cls, dim=-1)
         cos_patch = torch.nn.functional.cosine_similarity(patch, ref_patch, dim=-1)
-        rows.append({"spec": label, "schedule": telemetry.get("schedule"),
-                     "tokens_before": telemetry.get("tokens_before"), "tokens_after": telemetry.get("tokens_after"),
-                     "tokens_per_layer": telemetry.get("tokens_per_layer"), "probe_accuracy": acc,
-                     "probe_mean": sum(acc.values()) / len(acc),
-                     "cos_cls_mean": float(cos_cls.mean()), "cos_cls_min": float(cos_cls.min()),
-                     "cos_patch_mean": float(cos_patch.mean()), "cos_patch_min": float(cos_patch.min())})
-        logger.info("%s: probe %s, cos CLS %.4f", label, acc, rows[-1]["cos_cls_mean"])
-    pixels = image_processor(images=images["test"][:batch], return_tensors="pt")["pixel_values"]
-    speeds = image_throughput(model, pixels.to(model.device, model.dtype), methods, repeats)
-    base = rows[0]
-    for row in rows:
-        s = speeds[row["spec"]]
-        row.update(images_per_s=s["images_per_s"], median_s=s["median_s"], times_s=s["times_s"],
-                   speedup=s["images_per_s"] / speeds[UNMERGED]["images_per_s"],
-                   drop_points={p: 100 * (base["probe_accuracy"][p] - row["probe_accuracy"][p]) for p in probes})
-    summary = {
-        "config": {"model": type(model).__name__, "schedules": list(methods)[1:], "train": train, "test": test,
-                   "frames": frames, "probes": list(probes), "batch": int(pixels.shape[0]), "repeats": repeats,
-                   "l2": l2, "seed": seed, "image_px": int(pixels.shape[-1])},
-        "device": str(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(),
-        "load_avg_1m": [load_before, load_average()], "rows": rows,
-    }
-    result = ToMeSweepResult(summary=summary, out_dir=Path(out_dir) if out_dir is not None else None)
-    if result.out_dir is not None:
-        result.out_dir.mkdir(parents=True, exist_ok=True)
-        (result.out_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        result.plot = plot_tome_sweep(summary, result.out_dir / "tome_sweep.png")
+        row = {"method": cell.method, "status": "ok", "spec": cell.method, "schedule": telemetry.get("schedule"),
+               "tokens_before": telemetry.get("tokens_before"), "tokens_after": telemetry.get("tokens_after"),
+               "tokens_per_layer": telemetry.get("tokens_per_layer"), "probe_accuracy": acc,
+               "probe_mean": sum(acc.values()) / len(acc),
+               "cos_cls_mean": float(cos_cls.mean()), "cos_cls_min": float(cos_cls.min()),
+               "cos_patch_mean": float(cos_patch.mean()), "cos_patch_min": float(cos_patch.min())}
+        logger.info("%s: probe %s, cos CLS %.4f", cell.method, acc, row["cos_cls_mean"])
+        return row
+
+    def summarize(records: list[dict]) -> dict:
+        """The rows in schedule order, each with its throughput, measured now for every schedule together."""
+        failed = [r for r in records if r.get("status") != "ok"]
+        if failed:
+            raise RuntimeError(f"schedule {failed[0]['method']} failed: {failed[0].get('error')}")
+        rows = [{k: v for k, v in r.items() if k not in ("method", "status", "cell_id")} for r in records]
+        pixels = image_processor(images=images["test"][:batch], return_tensors="pt")["pixel_values"]
+        speeds = image_throughput(model, pixels.to(model.device, model.dtype), methods, repeats)
+        base = rows[0]
+        for row in rows:
+            s = speeds[row["spec"]]
+            row.update(images_per_s=s["images_per_s"], median_s=s["median_s"], times_s=s["times_s"],
+                       speedup=s["images_per_s"] / speeds[UNMERGED]["images_per_s"],
+                       drop_points={p: 100 * (base["probe_accuracy"][p] - row["probe_accuracy"][p]) for p in probes})
+        return {"config": {**config, "batch": int(pixels.shape[0]), "image_px": int(pixels.shape[-1])},
+                "device": str(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(),
+                "load_avg_1m": [load_before, load_average()], "rows": rows}
+
+    result = ToMeSweepResult(summary={}, out_dir=out)
+
+    def plot(folder, summary, records):
+        result.plot = plot_tome_sweep(summary, folder / "tome_sweep.png")
+
+    cells = [SweepCell(label, sample="scenes", payload=method) for label, method in methods.items()]
+    done = sweep(cells, run, out=out, resume=resume, overwrite=overwrite, summarize=summarize, write_extra=plot,
+                 config=config, progress=progress, desc="tome-sweep", rotate=False,
+                 on_error=_raise)
+    result.summary = done.summary
     return result
+
+
+def _raise(cell, exc: BaseException) -> dict:
+    """A schedule that fails stops the sweep: the table compares every schedule to the unmerged model."""
+    raise exc
 
 
 def plot_tome_sweep(summary: dict, path) -> Path:

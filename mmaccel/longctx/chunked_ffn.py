@@ -113,12 +113,6 @@ class ChunkedFeedForward(ChunkWrapper):
 
     method_name = "chunked_ffn"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.method, ChunkedFeedForward):
-            raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
-                "chunked_ffn: the wrapped method is already chunked_ffn; give the chunk once")
-
     def make_cache(self, model: torch.nn.Module) -> KVMethodCache:
         """The wrapped method's cache (:meth:`~mmaccel.longctx.chunked.ChunkWrapper.wrapped_cache`), with every
         decoder layer's MLP chunked until the cache closes."""
