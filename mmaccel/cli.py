@@ -496,7 +496,8 @@ def _compare_visual(args) -> int:
     args.model = args.model or DEFAULT_VLM
     model, processor = _load_vlm(args)
     result = compare_visual(model, processor, images, args.question, configs, answer=args.answer,
-                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
+                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+                            out_dir=args.out, resume=args.resume, overwrite=args.overwrite)
     result.inputs[media] = str(path)
     out = Path(args.out) / "compare.json"
     first = result.records[0]

@@ -423,6 +423,17 @@ def test_compare_vqa_and_video_qa_print_the_side_by_side_table(capsys, vlm_dir, 
     data = json.loads((tmp_path / "compare.json").read_text())
     assert data["answer"] == qa.answer and data["inputs"]["images"] == n_images
     assert all(r["status"] == "ok" and "correct" in r["extra"] for r in data["records"])
+    # on the sweep harness: each record appended as it finished; a rerun is refused, --resume reruns nothing
+    records = (tmp_path / "results.jsonl").read_bytes()
+    assert len(records.splitlines()) == 3
+    argv = ["compare", "--task", task, "--model", vlm_dir, *source, "--question", qa.question, "--answer", qa.answer,
+            "--methods", "none", "pooling:keep_ratio=0.25", "fastv:layer=1:keep_ratio=0.25", "--max-new-tokens", "3",
+            "--warmup", "0", "--out", tmp_path]
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and "--resume" in err
+    rc, _, err = _run(capsys, *argv, "--resume")
+    assert rc == 0, err
+    assert (tmp_path / "results.jsonl").read_bytes() == records
     assert data["records"][1]["kv_ratio_vs_full"] < 1.0
 
 

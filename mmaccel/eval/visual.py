@@ -13,14 +13,17 @@ scored like the training evaluation: the first word of the answer equals the exp
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..pipeline import resolve_kv, resolve_vision
 from ..specs import parse_method_spec
 from .compare import Comparison, _num
-from ..pipeline import resolve_kv, resolve_vision
-from .generation import generate_measured
+from .generation import RunRecord, generate_measured
+from .sweep import Cell as SweepCell
+from .sweep import sweep
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +169,7 @@ def run_config(model, processor, inputs, config: VisualConfig, *, answer: str | 
 
 def compare_visual(model, processor, images: Sequence, question: str, configs: Sequence[VisualConfig], *,
                    answer: str | None = None, max_new_tokens: int = 8, repeats: int = 1,
-                   warmup: int = 1) -> Comparison:
+                   warmup: int = 1, out_dir=None, resume: bool = False, overwrite: bool = False) -> Comparison:
     """Every configuration in turn on one question about ``images`` (an image, or a video's frames).
 
     Parameters
@@ -181,6 +184,11 @@ def compare_visual(model, processor, images: Sequence, question: str, configs: S
         Expected answer: each record gets ``extra["correct"]``.
     max_new_tokens, repeats, warmup : int
         See :func:`~mmaccel.eval.generation.generate_measured`.
+    out_dir : path, optional
+        Where each record is appended as it finishes (``results.jsonl``, :func:`mmaccel.eval.sweep.sweep`); the
+        caller writes ``compare.json`` after its tables.
+    resume, overwrite : bool
+        What to do with a non-empty ``out_dir``: finish it (configurations already recorded are kept) or replace it.
 
     Returns
     -------
@@ -196,8 +204,15 @@ def compare_visual(model, processor, images: Sequence, question: str, configs: S
     if not configs:
         raise ValueError(f"no methods given; pass at least one, e.g. {NO_REDUCTION!r}")
     inputs = chat_inputs(processor, images, question)
-    records = [run_config(model, processor, inputs, c, answer=answer, max_new_tokens=max_new_tokens,
-                          repeats=repeats, warmup=warmup) for c in configs]
+    cells = [SweepCell(c.label, sample="question", payload=c) for c in configs]
+    done = sweep(cells, lambda cell: run_config(model, processor, inputs, cell.payload, answer=answer,
+                                                max_new_tokens=max_new_tokens, repeats=repeats,
+                                                warmup=warmup).to_dict(),
+                 out=out_dir, resume=resume, overwrite=overwrite, rotate=False, progress=None, desc="compare",
+                 config={"question": question, "images": len(images), "answer": answer,
+                         "max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup})
+    fields = {f.name for f in dataclasses.fields(RunRecord)}
+    records = [RunRecord(**{k: v for k, v in r.items() if k in fields}) for r in done.records]
     info = {"prompt_tokens": int(inputs["input_ids"].shape[1]), "images": len(images),
             "visual_tokens": image_token_count(model, inputs), "question": question}
     return Comparison(records=records, answer=answer, inputs=info)
