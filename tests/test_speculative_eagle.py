@@ -133,7 +133,7 @@ def test_wrong_target_unknown_head_and_bad_arguments(tiny, tmp_path):
 
 
 def test_training_prompts_are_held_out_from_spec_bench():
-    from mmaccel.eval.specbench import FREE_PROMPTS
+    from mmaccel.data.prompts import FREE_PROMPTS
 
     prompts = training_prompts(900)
     assert len(set(prompts)) == 900 and not set(prompts) & set(FREE_PROMPTS)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.packed_linear import PackedLinears
+from ..data.prompts import COPY_TASKS, FREE_PROMPTS, add_typos
 from ..pipeline import resolve_methods
 from .generation import RunRecord, generate_measured, load_average
 from .sweep import Cell as SweepCell
@@ -47,26 +48,6 @@ logger = logging.getLogger(__name__)
 PROMPT_SETS = ("free", "copy")
 DEFAULT_METHODS = ("draft", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
 BASELINE = "full"
-
-FREE_PROMPTS = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a hash table works to someone who has just started programming.",
-    "What are three good habits for writing maintainable code? Explain each briefly.",
-    "Describe a walk through a city market on a rainy morning.",
-    "Give some advice to a student preparing for their first job interview.",
-    "Why does the sky look blue during the day and red at sunset?",
-    "Write a friendly email inviting a colleague to a team lunch on Friday.",
-    "Compare travelling by train and by plane for a 500 km trip.",
-)
-
-#: (task, instruction, answer lead) of the copy-heavy prompts
-COPY_TASKS = (
-    ("edit", "Correct the spelling mistakes in the following text. Reply with the corrected text only.",
-     "Corrected text:"),
-    ("repeat", "Repeat the following text exactly, then add one sentence that summarises it.", "Text:"),
-    ("summarise", "Summarise the following text, quoting its most important sentence word for word.", "Summary:"),
-)
-
 
 @dataclass
 class BenchPrompt:
@@ -90,16 +71,6 @@ class BenchPrompt:
     task: str
     text: str
     input_ids: torch.Tensor
-
-
-def _typos(text: str, rng: random.Random) -> str:
-    """Swap two inner letters of about every sixth word of >= 5 letters (the errors an edit prompt fixes)."""
-    words = text.split(" ")
-    for i, w in enumerate(words):
-        if len(w) >= 5 and w.isalpha() and rng.random() < 1 / 6:
-            j = rng.randrange(1, len(w) - 2)
-            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
-    return " ".join(words)
 
 
 def _encode(tokenizer, user: str, lead: str, chat: bool) -> tuple[str, torch.Tensor]:
@@ -158,7 +129,7 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
         raise ValueError(f"only {len(paras)} held-out paragraphs of {min_chars}-{max_chars} characters; ask for fewer")
     for i, para in enumerate(rng.sample(paras, n)):
         task, instruction, lead = COPY_TASKS[i % len(COPY_TASKS)]
-        shown = _typos(para, rng) if task == "edit" else para
+        shown = add_typos(para, rng) if task == "edit" else para
         start = " ".join(para.split()[:3])
         text, ids = _encode(tokenizer, f"{instruction}\n\n{shown}", f"{lead} {start}", chat_template)
         out.append(BenchPrompt("copy", i, task, text, ids))

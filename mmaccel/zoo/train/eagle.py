@@ -90,14 +90,14 @@ _POEMS = ("the sea", "an old tree", "the city at night", "the first day of sprin
 def training_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct chat requests from templates, shuffled with ``seed``.
 
-    None of them is one of Spec-Bench's evaluation prompts (:data:`mmaccel.eval.specbench.FREE_PROMPTS`).
+    None of them is one of Spec-Bench's evaluation prompts (:data:`mmaccel.data.prompts.FREE_PROMPTS`).
 
     Raises
     ------
     ValueError
         If the templates cannot make ``n`` distinct prompts.
     """
-    from ...eval.specbench import FREE_PROMPTS
+    from ...data.prompts import FREE_PROMPTS
 
     pool = []
     pool += [f"Write a short story about {c} who {e}." for c in _CHARACTERS for e in _EVENTS]
@@ -136,16 +136,16 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
 
 def copy_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` copy-heavy ``(user, answer lead)`` pairs over the *train* split of the stdlib paragraphs, Spec-Bench's
-    copy tasks in turn (:data:`mmaccel.eval.specbench.COPY_TASKS`)."""
+    copy tasks in turn (:data:`mmaccel.data.prompts.COPY_TASKS`)."""
     from ...data.haystack import stdlib_paragraphs
-    from ...eval.specbench import COPY_TASKS, _typos
+    from ...data.prompts import COPY_TASKS, add_typos
 
     rng = random.Random(seed)
     paras = [p for p in stdlib_paragraphs("train") if 300 <= len(p) <= 900]
     out = []
     for i, para in enumerate(rng.sample(paras, min(n, len(paras)))):
         task, instruction, lead = COPY_TASKS[i % len(COPY_TASKS)]
-        shown = _typos(para, rng) if task == "edit" else para
+        shown = add_typos(para, rng) if task == "edit" else para
         out.append((f"{instruction}\n\n{shown}", f"{lead} {' '.join(para.split()[:3])}"))
     return out
 
