@@ -152,6 +152,13 @@ def _add_model_args(p: argparse.ArgumentParser, default: str | None = DEFAULT_MO
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attn", dest="attn_implementation", default=None,
                    help="attention implementation: sdpa (default) | eager | flex_attention | mmaccel | ...")
+    _add_remote_code_arg(p)
+
+
+def _add_remote_code_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python code a checkpoint ships (an auto_map in its config); off by default: such a "
+                        "checkpoint is refused")
 
 
 def _add_run_args(p: argparse.ArgumentParser, methods_default: list[str] | None, max_new_tokens: int,
@@ -341,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: zoo name, local HF checkpoint directory or hub id (default micro-lm)")
     p.add_argument("--draft", default=None,
                    help="draft model for 'draft' and 'hf_assisted' specs without model= (default micro-draft)")
+    _add_remote_code_arg(p)
     p.add_argument("--methods", nargs="+", default=["draft", "prompt_lookup", "hf_assisted", "hf_prompt_lookup"],
                    metavar="SPEC",
                    help="drafters draft|prompt_lookup|pld|jacobi (keys: k=draft length, adaptive=true, and the "
@@ -382,14 +390,14 @@ def _load_tokenizer(args):
     """The tokenizer alone (seconds), so configuration errors show before the slow model load."""
     from .models.loading import load_tokenizer
 
-    return _text_tokenizer(load_tokenizer(args.model))
+    return _text_tokenizer(load_tokenizer(args.model, trust_remote_code=args.trust_remote_code))
 
 
 def _load_model(args, device: str | None = None):
     from .models import load
 
     model, tokenizer = load(args.model, device=device or args.device, dtype=args.dtype,
-                            attn_implementation=args.attn_implementation)
+                            attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
     return model, _text_tokenizer(tokenizer)
 
 
@@ -469,9 +477,9 @@ def _load_vlm(args):
     from .models import load
     from .models.loading import load_tokenizer
 
-    check_vlm_processor(load_tokenizer(args.model))
+    check_vlm_processor(load_tokenizer(args.model, trust_remote_code=args.trust_remote_code))
     model, processor = load(args.model, device=args.device, dtype=args.dtype,
-                            attn_implementation=args.attn_implementation)
+                            attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
     return model, processor
 
 
@@ -565,11 +573,12 @@ def cmd_tome_sweep(args) -> int:
 
     resolve_schedules(args.schedules)  # bad schedules fail before the model loads
     check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-    if hasattr(load_tokenizer(args.model), "tokenizer"):
+    if hasattr(load_tokenizer(args.model, trust_remote_code=args.trust_remote_code), "tokenizer"):
         raise CLIError(f"tome-sweep measures a ViT on its own (e.g. --model dinov2-small); {args.model} is a "
                        "vision-language model: `mmaccel vision-sweep --methods tome` sweeps ToMe inside it")
     model, image_processor = load(args.model, device=args.device, dtype=args.dtype,
-                                  attn_implementation=args.attn_implementation)
+                                  attn_implementation=args.attn_implementation,
+                                  trust_remote_code=args.trust_remote_code)
     result = tome_sweep(model.eval(), image_processor, args.schedules, train=args.train, test=args.test,
                         frames=args.frames, probes=args.probes, batch=args.batch, repeats=args.repeats, l2=args.l2,
                         seed=args.seed, out_dir=args.out, progress=not args.no_progress, resume=args.resume,

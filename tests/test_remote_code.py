@@ -57,3 +57,30 @@ def test_cli_with_yes_on_stdin_never_runs_the_code(custom_code_checkpoint, tmp_p
     assert done.returncode == 2, done.stderr[-2000:]
     assert "ships its own model code" in done.stderr
     assert not marker.exists()
+    assert "--trust-remote-code" in done.stderr  # the error names the opt-in
+
+
+def test_tokenizer_with_its_own_code_is_refused(tmp_path):
+    """A checkpoint whose tokenizer alone ships code: the tokenizer load (run first by every CLI command) refuses."""
+    from mmaccel.models.loading import load_tokenizer
+
+    ckpt = tmp_path / "evil-tok"
+    ckpt.mkdir()
+    marker = tmp_path / "marker"
+    shutil.copy(ASSETS / "config.json", ckpt / "config.json")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tok.EvilTokenizer", None]}, "tokenizer_class": "EvilTokenizer"}))
+    (ckpt / "tok.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                 "from transformers import PreTrainedTokenizer\n"
+                                 "class EvilTokenizer(PreTrainedTokenizer):\n    pass\n")
+    with pytest.raises(ModelLoadError, match="--trust-remote-code"):
+        load_tokenizer(ckpt)
+    assert not marker.exists()
+
+
+def test_trust_remote_code_is_an_explicit_opt_in(custom_code_checkpoint):
+    """Asked for, the code runs without any prompt (the user consented); the default never passes it on."""
+    ckpt, marker = custom_code_checkpoint
+    with pytest.raises(Exception):  # the toy model cannot be built, but its module was imported on request
+        load(ckpt, device="cpu", trust_remote_code=True)
+    assert marker.exists()

@@ -66,7 +66,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, cache_dir=None) -> st
 
 
 def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation: str | None = None, cache_dir=None,
-         device_map=None):
+         device_map=None, trust_remote_code: bool = False):
     """Load a causal LM (or vision-language model) and its tokenizer or processor.
 
     Parameters
@@ -89,6 +89,10 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         load (``"auto"``, ``"balanced"``, ``"sequential"``, or a ``{module name: device}`` dict; layers that fit
         nowhere are offloaded to CPU memory), and the model is not moved afterwards. Default ``None``: load, then
         move the whole model to ``device``.
+    trust_remote_code : bool
+        Default ``False``: a checkpoint that ships its own Python code (an ``auto_map`` in its config) is refused with
+        :class:`ModelLoadError`, whatever is typed on stdin. ``True`` runs that code (only when the user asked, e.g.
+        ``--trust-remote-code``); it is passed explicitly to every transformers load.
 
     Returns
     -------
@@ -124,7 +128,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
 
         register_attention()
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as exc:
         if is_local:
             raise ModelLoadError(f"cannot read the config in {source}: {exc}") from exc
@@ -133,10 +137,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         ) from exc
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise ModelLoadError(
-                f"{source} ships its own model code (an auto_map in its config), and mmaccel never runs a "
-                "checkpoint's code: use a checkpoint of an architecture transformers implements"
-            ) from exc
+            raise _remote_code_error(source) from exc
         raise ModelLoadError(f"unsupported architecture in {source}: {exc}") from exc
     kwargs = {"dtype": torch_dtype}
     if device_map is not None:
@@ -152,7 +153,7 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
         classes = [AutoModel]
     for auto in classes:
         try:
-            model = auto.from_pretrained(source, config=config, trust_remote_code=False, **kwargs)
+            model = auto.from_pretrained(source, config=config, trust_remote_code=trust_remote_code, **kwargs)
             break
         except ValueError as exc:  # "Unrecognized configuration class ..." for this auto class
             errors.append(str(exc).splitlines()[0])
@@ -165,8 +166,15 @@ def load(name_or_path, *, device: str = "auto", dtype=None, attn_implementation:
     if device_map is None:
         model.to(device)
     model.eval()
-    tokenizer = _load_tokenizer(source, AutoTokenizer)
+    tokenizer = _load_tokenizer(source, AutoTokenizer, trust_remote_code)
     return model, tokenizer
+
+
+def _remote_code_error(source) -> ModelLoadError:
+    return ModelLoadError(
+        f"{source} ships its own model code (an auto_map in its config), and mmaccel runs a checkpoint's code only "
+        "when asked: pass --trust-remote-code (mmaccel.load(..., trust_remote_code=True)) if you trust it, or use a "
+        "checkpoint of an architecture transformers implements")
 
 
 def _load_built(name: str, *, device, dtype, attn_implementation, cache_dir, device_map):
@@ -187,10 +195,10 @@ def _load_built(name: str, *, device, dtype, attn_implementation, cache_dir, dev
     return model.to(device).eval(), processor
 
 
-def load_tokenizer(name_or_path, *, cache_dir=None):
+def load_tokenizer(name_or_path, *, cache_dir=None, trust_remote_code: bool = False):
     """Load only the tokenizer (or processor) of a model, in seconds, e.g. to validate prompts before a slow load.
 
-    Same names and errors as :func:`load` (a fetched zoo model is fetched first).
+    Same names, ``trust_remote_code`` and errors as :func:`load` (a fetched zoo model is fetched first).
     """
     from transformers import AutoTokenizer
 
@@ -206,7 +214,7 @@ def load_tokenizer(name_or_path, *, cache_dir=None):
             "download the checkpoint elsewhere and pass its local directory instead"
         )
     try:
-        return _load_tokenizer(source, AutoTokenizer)
+        return _load_tokenizer(source, AutoTokenizer, trust_remote_code)
     except OSError as exc:
         raise ModelLoadError(f"cannot load a tokenizer for {source}: {exc}") from exc
 
@@ -222,20 +230,25 @@ def _is_encoder_only(config) -> bool:
     return getattr(config, "model_type", None) in {"dinov2", "clip_vision_model", "siglip_vision_model"}
 
 
-def _load_tokenizer(source: str, auto_tokenizer):
+def _load_tokenizer(source: str, auto_tokenizer, trust_remote_code: bool = False):
     if not Path(source, "tokenizer_config.json").exists() and Path(source, "preprocessor_config.json").exists():
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(source, trust_remote_code=False)
+        return AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     try:
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
+        processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
         if not _is_plain_tokenizer(processor):
             return processor
     except (OSError, ValueError, TypeError, KeyError) as exc:
         logger.debug("no processor in %s (%s); loading a tokenizer", source, exc)
-    return auto_tokenizer.from_pretrained(source, trust_remote_code=False)
+    try:
+        return auto_tokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise _remote_code_error(source) from exc
+        raise
 
 
 def _is_plain_tokenizer(obj) -> bool:
