@@ -28,6 +28,7 @@ from .backends import available_backends, has_flash_attn
 from .column_scores import attention_column_scores
 from .decode import decode_attention
 from .patterns import BlockSparse, Chunked, Dense, Streaming
+from .roofline import memory_bandwidth
 from .sparse_prefill import dense_plan_fraction, sparse_prefill_attention
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--column-window", type=int, help="query window of the column-score benchmark (0 = skip)")
     p.add_argument("--backends", nargs="+", help="sparse-prefill backends (default: auto; on CUDA also triton)")
-    p.add_argument("--ops", nargs="+", choices=("prefill", "decode"), default=("prefill", "decode"))
+    p.add_argument("--ops", nargs="+", choices=("bandwidth", "prefill", "decode"),
+                   default=("bandwidth", "prefill", "decode"),
+                   help="bandwidth: a STREAM-style copy (the memory roofline of decoding); prefill; decode")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, help="timed calls per figure (median)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
@@ -304,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     peaks = device_peaks(device)
     records: list[Record] = []
+    bandwidth = memory_bandwidth(device) if "bandwidth" in args.ops else None
     if "prefill" in args.ops:
         records += bench_prefill(args, device, dtype, peaks)
     if "decode" in args.ops:
@@ -313,10 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(f"mmaccel kernel-bench on {dev_name} ({args.dtype}, B={args.batch}, Hq={args.heads}, "
                      f"Hkv={args.kv_heads}, D={args.head_dim}, threads={torch.get_num_threads()}, "
                      f"backends available: {available_backends(device)})\n")
+    if bandwidth is not None:
+        sys.stdout.write(f"memory bandwidth (STREAM-style copy of {bandwidth.nbytes / 2**20:.0f} MiB, read + write, "
+                         f"median of {bandwidth.repeats}): {bandwidth.gbps:.1f} GB/s"
+                         + (f" ({100 * bandwidth.gbps / peaks[1]:.0f}% of the datasheet's {peaks[1]:.0f})"
+                            if peaks[1] else "") + "\n")
     sys.stdout.write(format_table(records, scaling) + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = dict(device=dev_name, dtype=args.dtype, peaks=dict(tflops=peaks[0], gbps=peaks[1]),
+                       bandwidth=asdict(bandwidth) if bandwidth is not None else None,
                        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                        records=[asdict(r) for r in records], scaling=scaling)
         args.out.write_text(json.dumps(payload, indent=2))
