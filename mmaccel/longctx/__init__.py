@@ -26,11 +26,14 @@ from .bilevel import BiLevel
 from .chunked import Chunked
 from .chunked_ffn import ChunkedFeedForward
 from .chunkkv import ChunkKV
+from .expected_attention import ExpectedAttention
 from .full import FullAttention
 from .h2o import H2O
 from .head_pattern import HeadPattern, available_head_patterns, load_head_pattern
+from .keydiff import KeyDiff
 from .knorm import KNorm
 from .kvquant import KVQuant
+from .kvzip import KVzip
 from .longheads import LongHeads
 from .pyramidkv import PyramidKV
 from .quest import Quest
@@ -61,6 +64,9 @@ METHODS.update({
     "kvquant": KVQuant,
     "bilevel": BiLevel,
     "longheads": LongHeads,
+    "keydiff": KeyDiff,
+    "expected_attention": ExpectedAttention,
+    "kvzip": KVzip,
 })
 
 
@@ -91,6 +97,9 @@ __all__ = [
     "KVQuant",
     "LongHeads",
     "BiLevel",
+    "KeyDiff",
+    "ExpectedAttention",
+    "KVzip",
     "HeadPattern",
     "load_head_pattern",
     "available_head_patterns",
