@@ -10,6 +10,8 @@ from test_longctx_methods import (
     test_decode_logits_after_real_compression_match_a_per_head_masked_reference as _decode_matches_reference,
 )
 from test_longctx_methods import test_every_evicting_method_refuses_a_left_padded_batch as _refuses_padding
+from test_longctx_methods import test_every_method_runs_an_unpadded_batch_row_by_row as _row_by_row
+from test_longctx_methods import test_unbounded_budget_is_token_identical_to_full_and_warns as _unbounded_is_full
 from tiny_models import random_prompt, tiny_llama
 from transformers import DynamicCache
 
@@ -55,20 +57,14 @@ def test_registered_with_round_tripping_specs():
         assert build_method(method.spec) == method
 
 
-# ------------------------------------------------------------------------------------ equivalence when unbounded
+# ------------------------- equivalence when unbounded, decode logits after a real compression, padding, batches
+# (tests/test_longctx_methods.py's checks, run on these methods' specs)
 @pytest.mark.parametrize("name", sorted(UNBOUNDED))
-def test_unbounded_budget_is_token_identical_to_full_and_warns(name, sdpa):
-    ids = random_prompt(40, seed=2)
-    plain = sdpa.generate(ids, max_new_tokens=8, do_sample=False)
-    method = build_method(UNBOUNDED[name])
-    with method.make_cache(sdpa) as cache:
-        out = sdpa.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
-        telemetry = method.telemetry(cache)
-    assert torch.equal(out, plain)
-    assert any("ran as full attention" in w for w in telemetry["warnings"])
+def test_unbounded_budget_is_token_identical_to_full_and_warns(name, sdpa, monkeypatch):
+    monkeypatch.setitem(methods_tests.UNBOUNDED, name, UNBOUNDED[name])
+    _unbounded_is_full(name, sdpa)
 
 
-# ----------------------------------------------------- decode logits after a real compression, padding, batches
 @pytest.mark.parametrize("name", sorted(COMPRESSING))
 def test_decode_logits_after_real_compression_match_a_per_head_masked_reference(name, sdpa, monkeypatch):
     monkeypatch.setitem(methods_tests.COMPRESSING, name, COMPRESSING[name])
@@ -82,16 +78,9 @@ def test_refuses_a_left_padded_batch(name, sdpa, monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSING))
-def test_an_unpadded_batch_is_compressed_row_by_row(name, sdpa):
-    ids = random_prompt(30, seed=10, batch=2)
-    method = build_method(COMPRESSING[name])
-    with method.make_cache(sdpa) as cache:
-        sdpa(ids, past_key_values=cache, use_cache=True)
-    for row in range(2):
-        with method.make_cache(sdpa) as single:
-            sdpa(ids[row : row + 1], past_key_values=single, use_cache=True)
-        for layer, ref in zip(cache.layers, single.layers):
-            assert torch.equal(layer.positions[row], ref.positions[0])
+def test_an_unpadded_batch_is_compressed_row_by_row(name, sdpa, monkeypatch):
+    monkeypatch.setitem(methods_tests.COMPRESSING, name, COMPRESSING[name])
+    _row_by_row(name, sdpa)
 
 
 # ------------------------------------------------------------------------------------------------------- KeyDiff
