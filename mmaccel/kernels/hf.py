@@ -59,6 +59,96 @@ def _cache_name(cls, generate: bool) -> str:
 
 PATTERN_ATTR = "_mmaccel_patterns"
 
+#: attention arguments an attention module may pass (Gemma 2's ``softcap``, gpt-oss's sink logits ``s_aux``) that the
+#: attention code of mmaccel's owned-attention caches does not apply
+UNAPPLIED_ARGUMENTS = ("softcap", "s_aux", "sinks")
+
+
+def attention_variants(module: torch.nn.Module) -> dict[str, object]:
+    """What an attention module computes beyond plain scaled-dot-product attention, read from the module and its
+    config (never from a model name).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A decoder self-attention module (see :func:`attention_modules`).
+
+    Returns
+    -------
+    dict
+        ``{"softcap": cap}`` for an attention logit softcap (``attn_logit_softcapping``, Gemma 2: logits become
+        ``cap * tanh(logits / cap)``), ``{"sinks": shape}`` for learned attention-sink logits (a ``sinks`` parameter,
+        gpt-oss); empty for plain attention.
+    """
+    config = getattr(module, "config", None)
+    found: dict[str, object] = {}
+    cap = getattr(module, "attn_logit_softcapping", getattr(config, "attn_logit_softcapping", None))
+    if cap is not None:
+        found["softcap"] = float(cap)
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        found["sinks"] = tuple(sinks.shape)
+    return found
+
+
+def refuse_attention_variants(modules: Mapping[int, torch.nn.Module], owner: str) -> None:
+    """Refuse, before anything runs, models whose attention the caller's own attention code would compute wrongly.
+
+    Parameters
+    ----------
+    modules : mapping of int to torch.nn.Module
+        ``{layer_idx: attention module}`` whose attention ``owner`` computes itself.
+    owner : str
+        The method's name, for the message.
+
+    Raises
+    ------
+    ValueError
+        Naming the first layer with a softcap or attention sinks (:func:`attention_variants`), the value, and the fix.
+    """
+    for idx, module in modules.items():
+        found = attention_variants(module)
+        if found:
+            what = ", ".join(f"{k}={v}" for k, v in found.items())
+            raise ValueError(
+                f"{owner} computes attention itself and does not apply layer {idx}'s attention {what} "
+                "(attn_logit_softcapping / attention sinks); its output would be silently wrong. Use a method that "
+                "keeps the model's own attention (full, streaming, snapkv, pyramidkv, h2o, tova, knorm, chunkkv)"
+            )
+
+
+def check_attention_kwargs(module: torch.nn.Module, kwargs: Mapping, owner: str) -> None:
+    """Raise ``NotImplementedError`` if an attention forward passed an argument in :data:`UNAPPLIED_ARGUMENTS`
+    (not ``None``): the last guard of an attention function that would drop it."""
+    for name in UNAPPLIED_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"layer {getattr(module, 'layer_idx', '?')}: {owner} does not apply the attention argument "
+                f"{name}={kwargs[name] if name == 'softcap' else '...'} this model passes; its output would be wrong"
+            )
+
+
+def _softcapped_attention(query, key, value, attention_mask, scaling, softcap: float, causal: bool) -> torch.Tensor:
+    """Dense fp32 attention with Gemma 2's logit softcap, ``cap * tanh(q.k * scale / cap)``: [B, Hq, Lq, D].
+
+    ``attention_mask``: a 4-D bool (True = attend) or additive mask, or None (``causal`` bottom-right mask or none).
+    """
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1).float()
+    v = value.repeat_interleave(group, dim=1).float()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = (query.float() @ k.transpose(-1, -2)) * scale
+    logits = softcap * torch.tanh(logits / softcap)
+    low = torch.finfo(logits.dtype).min
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attention_mask, low)
+        else:
+            logits = logits + attention_mask.float()
+    elif causal:
+        logits = logits.masked_fill(~causal_mask(query.shape[2], key.shape[2], query.device), low)
+    return (logits.softmax(dim=-1) @ v).to(query.dtype)
+
 
 def _plain_causal(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
     """Whether a 4-D bool mask is only the (bottom-right) causal mask: no padding, nothing custom."""
@@ -120,10 +210,16 @@ def mmaccel_attention_forward(
     (torch.Tensor, None)
         [B, Lq, Hq, D] output and no attention weights.
 
+    softcap : float, optional (in ``kwargs``)
+        Attention logit softcap (Gemma 2): applied on the dense path (fp32 reference math); patterns refuse it.
+    sliding_window : int, optional (in ``kwargs``)
+        Applied through ``attention_mask`` (transformers builds the sliding mask with the registered ``sdpa_mask``).
+
     Raises
     ------
     NotImplementedError
-        For dropout in training, or patterns combined with a padding / custom mask.
+        For dropout in training, patterns combined with a padding / custom mask or a softcap, or attention-sink
+        logits (``s_aux``/``sinks``, :data:`UNAPPLIED_ARGUMENTS`).
     """
     if dropout and module.training:
         raise NotImplementedError("mmaccel attention is an inference layer: dropout is not supported in training")
@@ -132,6 +228,17 @@ def mmaccel_attention_forward(
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     B, Hq, Lq, _ = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
+    softcap = kwargs.pop("softcap", None)
+    check_attention_kwargs(module, kwargs, "mmaccel attention")
+    if softcap is not None:
+        if patterns is not None:
+            raise NotImplementedError(
+                f"layer {getattr(module, 'layer_idx', '?')}: sparse attention patterns do not apply the attention "
+                f"logit softcap ({softcap}) this model uses; drop the patterns on this model"
+            )
+        out = _softcapped_attention(query, key, value, attention_mask, scaling, float(softcap),
+                                    bool(is_causal) and attention_mask is None)
+        return out.transpose(1, 2).contiguous(), None
     if patterns is None:
         out = attention(query, key, value, causal=bool(is_causal) and attention_mask is None,
                         attention_mask=attention_mask, scaling=scaling)

@@ -24,8 +24,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
-from ..kernels.hf import attention_modules, hooked_cache
-from .base import KVMethodCache, has_padding
+from ..kernels.hf import attention_modules, check_attention_kwargs, hooked_cache, refuse_attention_variants
+from .base import KVMethodCache, has_padding, no_method_layers_error
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ def owned_attention_forward(module, query, key, value, attention_mask, scaling=N
     ------
     RuntimeError
         In training with dropout, or if the module has no owning layer and no original implementation.
+    NotImplementedError
+        If the module passes an attention argument the layers do not apply (a softcap, sink logits:
+        :func:`mmaccel.kernels.hf.check_attention_kwargs`); :class:`OwnedAttentionCache` refuses such models up front.
     """
     ref, original = getattr(module, LAYER_ATTR, (None, None))
     layer = ref() if ref is not None else None
@@ -76,6 +79,7 @@ def owned_attention_forward(module, query, key, value, attention_mask, scaling=N
                                              dropout=dropout, **kwargs)
     if dropout and module.training:
         raise RuntimeError("owned-attention KV caches are for inference: dropout in training is not supported")
+    check_attention_kwargs(module, kwargs, "this owned-attention KV cache")
     scale = scaling if scaling is not None else getattr(module, "scaling", None)
     if scale is None:
         scale = query.shape[-1] ** -0.5
@@ -190,7 +194,9 @@ class OwnedAttentionCache(KVMethodCache):
     Raises
     ------
     ValueError
-        If no decoder self-attention module of the model gets an owning layer, or a module has no ``config``.
+        If no decoder self-attention module of the model gets an owning layer, a module has no ``config``, or an owned
+        module's attention has a logit softcap or attention sinks, which the owning layers do not apply
+        (:func:`mmaccel.kernels.hf.refuse_attention_variants`).
 
     Notes
     -----
@@ -203,10 +209,8 @@ class OwnedAttentionCache(KVMethodCache):
         modules = {i: m for i, m in attention_modules(model).items()
                    if i < len(self.layers) and isinstance(self.layers[i], AttentionOwningLayer)}
         if not modules:
-            raise ValueError(
-                f"found no self-attention modules (with layer_idx and head_dim) in {type(model).__name__}; the "
-                f"{method.name} KV-cache method needs a transformers decoder"
-            )
+            raise no_method_layers_error(model, self, method.name)
+        refuse_attention_variants(modules, method.name)
         busy = [i for i, m in modules.items() if (getattr(m, LAYER_ATTR, (None, None))[0] or (lambda: None))()]
         if busy:
             raise ValueError(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache
 
 from .sampling import Sampler
 
@@ -243,8 +243,48 @@ def crop_cache(cache: Cache, length: int) -> None:
     cache : transformers.DynamicCache
         The cache to shorten in place.
     length : int
-        Slots to keep, ``0 <= length``; a no-op when the cache holds no more than that.
+        Slots to keep, ``0 <= length``; a no-op when the cache holds no more than that (except that a sliding-window
+        layer recording its past, :func:`croppable_cache`, is trimmed back to its window). Layers that no forward
+        reached (a layer-skip draft's skipped layers) are left empty.
     """
     held = cache.get_seq_length()
-    if held > length:
-        cache.crop(length - held)  # transformers 5: a negative count of slots to remove
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        if held > length:
+            cache.crop(length - held)
+        return
+    for layer in layers:  # layer by layer: a layer a forward never reached (a skipped layer) stays empty
+        if not layer.is_initialized:
+            continue
+        if held > length:
+            layer.crop(length - held)  # transformers 5: a negative count of slots to remove
+        elif getattr(layer, "record_past", False):
+            layer.crop(0)  # nothing rejected: a recording sliding-window layer still trims back to its window
+
+
+def croppable_cache(config=None, cache: Cache | None = None) -> Cache:
+    """A cache whose every layer can be rolled back by :func:`crop_cache`: a fresh ``DynamicCache`` for ``config``,
+    or ``cache`` itself, with past recording switched on in its sliding-window layers.
+
+    A ``DynamicSlidingWindowLayer`` (Mistral with ``sliding_window`` set, Gemma 2/3's local layers) keeps only its last
+    ``window - 1`` slots, so it cannot give back the slots a rejected draft pushed out; with
+    ``activate_past_recording()`` it keeps them until the next :func:`crop_cache`, which then trims it back to the
+    window. Layers without that switch are left as they are.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig, optional
+        The model's config (its ``layer_types``/``sliding_window`` decide the layer classes) when no cache is given.
+    cache : transformers.Cache, optional
+        A caller's cache to prepare in place (returned).
+
+    Returns
+    -------
+    transformers.Cache
+    """
+    cache = DynamicCache(config=config) if cache is None else cache
+    for layer in getattr(cache, "layers", []):
+        record = getattr(layer, "activate_past_recording", None)
+        if callable(record):
+            record()
+    return cache

@@ -10,10 +10,9 @@ import weakref
 from typing import ClassVar
 
 import torch
-from transformers import DynamicCache
 
 from ..kernels.hf import cache_kwarg
-from .base import ColumnPositions, Draft, Drafter, crop_cache, left_padding
+from .base import ColumnPositions, Draft, Drafter, crop_cache, croppable_cache, left_padding
 from .sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ class DraftModel(Drafter):
         if last is None or last[0]() is not target or any(a is not b for a, b in zip(last[1:], checked)):
             check_same_vocabulary(self.model, target, self.tokenizer, self.target_tokenizer)  # ~1 ms per 2k vocab
             self._checked = (weakref.ref(target), *checked)
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = croppable_cache(self.model.config)
         self._device = next(self.model.parameters()).device
         self._pads = left_padding(attention_mask)
         if self._pads is not None:

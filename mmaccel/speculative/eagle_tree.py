@@ -11,7 +11,7 @@ import torch
 from .base import Draft
 from .eagle import Eagle
 from .sampling import Sampler
-from .tree import TreeDraft, ancestor_mask, best_children, count_tree_step, grow_tree, model_tree_mask, tree_telemetry
+from .tree import TreeDraft, ancestor_mask, best_children, check_tree_model, count_tree_step, grow_tree, tree_telemetry
 
 
 class EagleTree(Eagle):
@@ -75,12 +75,12 @@ class EagleTree(Eagle):
         return f"eagle2(width={self.width}, depth={self.max_depth}, threshold={self.threshold})"
 
     def begin(self, target, input_ids, attention_mask, sampler: Sampler) -> None:
-        """As :meth:`Eagle.begin`, after checking batch size 1; then checks that the target takes a tree mask."""
+        """As :meth:`Eagle.begin`, after checking batch size 1; then :func:`check_tree_model` on the target."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"token-tree drafting supports batch size 1 only, got {input_ids.shape[0]} rows; use the "
                              "chain drafter eagle:k=... for batches")
         super().begin(target, input_ids, attention_mask, sampler)
-        model_tree_mask(target, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+        check_tree_model(target)
         self._stats = {"steps": 0, "nodes": 0, "depth": 0, "accepted": 0}
 
     def _logq(self, features: torch.Tensor) -> torch.Tensor:

@@ -48,13 +48,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from ..kernels.hf import cache_kwarg
 from ..longctx import kv_cache_bytes
 from . import tree as _tree
 from . import verify as _verify
-from .base import ColumnPositions, Draft, Drafter, crop_cache, left_padding, positions_from_mask
+from .base import ColumnPositions, Draft, Drafter, crop_cache, croppable_cache, left_padding, positions_from_mask
 from .sampling import Sampler
 from .schedule import AdaptiveDraftLength, check_draft_length
 from .tree import TreeDraft
@@ -468,7 +467,7 @@ def speculative_generate(
         schedule.reset()
 
     out = SpeculativeOutput(sequences=ids, prompt_length=L, drafter=getattr(drafter, "name", type(drafter).__name__))
-    cache = _check_cache(cache) if cache is not None else DynamicCache(config=model.config)
+    cache = croppable_cache(cache=_check_cache(cache)) if cache is not None else croppable_cache(model.config)
     prefill_inputs, positions = _multimodal(model, ids, mask, model_inputs)
     # only real tokens are appended, so the prompt's pad counts fix every later position, and an unpadded batch
     # needs no attention mask in the decoding forwards; the drafter sees views of one preallocated mask

@@ -49,6 +49,7 @@ from functools import cached_property
 from typing import ClassVar
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
@@ -300,10 +301,29 @@ def model_tree_mask(model, allowed: torch.Tensor) -> torch.Tensor:
                      "implementation does not take; load the model with attn_implementation='sdpa' or 'eager'")
 
 
+def check_tree_model(model) -> None:
+    """Refuse, before any forward, a model that token-tree decoding cannot drive: an attention implementation
+    without custom 4-D masks (:func:`model_tree_mask`), or sliding-window layers (a tree's cache compaction needs
+    every layer to keep all its slots).
+
+    Raises
+    ------
+    ValueError
+        Naming the reason and the fix.
+    """
+    model_tree_mask(model, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    _layers(DynamicCache(config=model.config))
+
+
 def _layers(cache) -> list:
     """The cache's layers, checked: plain ``DynamicLayer`` objects holding the same number of slots."""
     layers = list(getattr(cache, "layers", []))
     odd = [type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer]
+    if any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise ValueError("token-tree verification needs every layer to keep all its K/V slots, and this model has "
+                         "sliding-window layers (DynamicSlidingWindowLayer, not a plain DynamicLayer: "
+                         "config.sliding_window / layer_types), which keep only their window; "
+                         "use a chain drafter (draft, eagle, prompt_lookup, layer_skip) with this model")
     if odd:
         raise ValueError(f"token-tree verification moves the accepted path's K/V slots inside each cache layer, which "
                          f"needs plain DynamicLayer layers; this cache has {odd[0]} (use a DynamicCache, the 'full' "
@@ -640,9 +660,8 @@ class TreeDrafter(DraftModel):
             raise ValueError(f"token-tree drafting supports batch size 1 only, got {input_ids.shape[0]} rows; use the "
                              "chain drafter draft:model=... for batches")
         super().begin(target, input_ids, attention_mask, sampler)
-        probe = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-        model_tree_mask(target, probe)
-        model_tree_mask(self.model, probe)
+        check_tree_model(target)
+        check_tree_model(self.model)
         if self.widest > self.model.config.vocab_size:
             raise ValueError(f"the tree branches into {self.widest} tokens but the vocabulary has "
                              f"{self.model.config.vocab_size}")
