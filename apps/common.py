@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,38 +50,62 @@ class InputError(ValueError):
     """Bad user input (an upload, a question, a length): shown as an error in the columns."""
 
 
+_PATH = re.compile(r"(?<![\w.:/~])(?:~/|/)(?:[^\s'\"`<>()\[\],;:*/]+/)*([^\s'\"`<>()\[\],;:*/]+)/?")
+
+
+def scrub(text) -> str:
+    """``text`` with every absolute or home-relative path cut to its last part (``/tmp/gradio/ab12/x.png`` ->
+    ``x.png``), so no status line or error shows where the server keeps files (issue 33)."""
+    return _PATH.sub(lambda m: m.group(1), str(text))
+
+
 # --------------------------------------------------------------------------------------------------------- models
 class ModelCache:
     """Loaded models by name, at most ``capacity`` of them (least recently used evicted), loaded with
-    :func:`mmaccel.load` (never with ``trust_remote_code``)."""
+    :func:`mmaccel.load`, ``trust_remote_code=False`` unless the gate allows it and the request asked.
 
-    def __init__(self, device: str = "auto", capacity: int = 2):
+    Parameters
+    ----------
+    device : str
+        Where models load.
+    capacity : int
+        Models kept loaded.
+    gate : mmaccel.apps.security.ModelGate, optional
+        What names may be loaded (default: zoo names only, no hub ids, no checkpoint code).
+    """
+
+    def __init__(self, device: str = "auto", capacity: int = 2, gate=None):
+        from .security import ModelGate
+
         self.device, self.capacity = device, capacity
-        self._models: OrderedDict[str, tuple] = OrderedDict()
+        self.gate = gate if gate is not None else ModelGate()
+        self._models: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, name: str):
-        """``(model, tokenizer)`` for a zoo name, a local checkpoint directory or a hub id.
+    def get(self, name: str, trust_remote_code: bool = False):
+        """``(model, tokenizer)`` for a name the gate accepts (a zoo name, a preset, a folder under the model roots,
+        a hub id with ``--allow-hub``).
 
         Raises
         ------
         InputError
-            An empty name.
+            An empty name, a name the gate refuses (one message whether a path exists or not), a checkpoint with
+            its own code without the opt-in.
         mmaccel.models.ModelLoadError
-            An unknown model (the message lists the zoo), a bad directory, a hub id while offline, a failed fetch.
+            A bad checkpoint folder, a hub id while offline, a failed fetch.
         """
         import mmaccel
 
-        name = (name or "").strip()
-        if not name:
-            raise InputError("no model given: pick a zoo model or type a local checkpoint directory")
+        trust = bool(trust_remote_code) and self.gate.allow_remote_code
+        source = self.gate.check(name, trust)
+        key = (source, trust)
         with self._lock:
-            if name in self._models:
-                self._models.move_to_end(name)
-                return self._models[name]
-            logger.info("loading model %s on %s", name, self.device)
-            pair = mmaccel.load(name, device=self.device)
-            self._models[name] = pair
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            logger.info("loading model %s on %s (trust_remote_code=%s)", name, self.device, trust)
+            pair = mmaccel.load(source, device=self.device, trust_remote_code=trust)
+            self._models[key] = pair
             while len(self._models) > self.capacity:
                 self._models.popitem(last=False)
             return pair
@@ -142,13 +167,13 @@ class ColumnResult:
 
 def error_html(message: str) -> str:
     """An error box for a column."""
-    return f'<div class="mm-error" style="{ERROR_STYLE}"><b>error</b>: {html.escape(str(message))}</div>'
+    return f'<div class="mm-error" style="{ERROR_STYLE}"><b>error</b>: {html.escape(scrub(message))}</div>'
 
 
 def error_text(exc: BaseException) -> str:
     """The message a column shows for ``exc``: a ``ValueError``'s own message (bad input names its fix), else
-    ``"Type: message"`` (an OOM, a bug)."""
-    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    ``"Type: message"`` (an OOM, a bug); server paths cut to their last part (:func:`scrub`)."""
+    return scrub(str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
 
 def mib(n) -> float | None:
@@ -226,8 +251,11 @@ class AppContext:
         Where models are loaded and kept.
     max_upload_bytes : int
         Size limit of an uploaded document or image, bytes.
-    work_dir : path
-        Temp folder for outputs (NIAH heatmaps, kernel-bench JSON, sweep results).
+    work_dir : path or None
+        The app's private temp folder (:class:`~mmaccel.apps.security.PrivateFolder`, mode 0700): uploads are copied
+        into a per-request folder there, and NIAH heatmaps, kernel-bench JSON and sweep results are written to one;
+        each is removed when its request ends, the whole folder by :meth:`close` and at exit. ``None``: a new
+        ``mmaccel-app-*`` folder.
     haystack : path, optional
         A UTF-8 text file used as the NIAH haystack (default: the held-out standard-library prose, which takes
         seconds to build the first time).
@@ -237,14 +265,50 @@ class AppContext:
         Model preselected in the Vision encoder tab (a vision encoder).
     vlm_model : str
         Model preselected in the Vision sweep tab (a vision-language model).
+    max_image_pixels : int
+        Pixel cap of an uploaded image and of a video frame (``--max-image-pixels``), checked from the header.
+    max_video_frames : int
+        Most frames an uploaded video may have.
+
+    Attributes
+    ----------
+    extra_inputs : list
+        Components every model-loading endpoint takes last (the "trust remote code" box when the app was launched
+        with ``--allow-remote-code``, else none).
     """
 
-    def __init__(self, models: ModelCache, max_upload_bytes: int, work_dir: Path, haystack=None, *,
-                 niah_length: int = 2048, vision_model: str = "dinov2-small", vlm_model: str = "smol-llava"):
-        self.models, self.max_upload_bytes, self.work_dir = models, int(max_upload_bytes), Path(work_dir)
+    def __init__(self, models: ModelCache, max_upload_bytes: int, work_dir=None, haystack=None, *,
+                 niah_length: int = 2048, vision_model: str = "dinov2-small", vlm_model: str = "smol-llava",
+                 max_image_pixels: int | None = None, max_video_frames: int | None = None):
+        from .security import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, PrivateFolder
+
+        self.folder = PrivateFolder(work_dir)
+        self.models, self.max_upload_bytes, self.work_dir = models, int(max_upload_bytes), self.folder.path
         self.haystack = None if haystack is None else str(haystack)
         self.niah_length, self.vision_model, self.vlm_model = int(niah_length), vision_model, vlm_model
+        self.max_image_pixels = int(max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS)
+        self.max_video_frames = int(max_video_frames or DEFAULT_MAX_VIDEO_FRAMES)
+        self.extra_inputs: list = []
         self._haystacks: dict = {}
+
+    def request_folder(self, prefix: str):
+        """A per-request folder in the private temp folder, removed when the ``with`` block ends."""
+        return self.folder.request(prefix)
+
+    def upload(self, path, folder) -> Path | None:
+        """An upload copied into ``folder`` (0600) and size-checked (:func:`checked_upload`); ``None`` for none.
+
+        Raises
+        ------
+        InputError
+            Over the size limit, or no longer on the server.
+        """
+        copy = self.folder.take(path, folder)
+        return None if copy is None else checked_upload(copy, self.max_upload_bytes)
+
+    def close(self) -> None:
+        """Remove the private temp folder (the app has stopped)."""
+        self.folder.close()
 
     @property
     def max_upload_mb(self) -> float:
@@ -298,7 +362,7 @@ class Request:
 
     def outputs(self, status: str, final: bool = False) -> list:
         """The endpoint's outputs now (``final``: the last yield, which draws the plots)."""
-        out: list = [status, *self.head()]
+        out: list = [scrub(status), *self.head()]
         for i in range(MAX_COLUMNS):
             r = self.results[i] if i < self.n else None
             out += [r.html if r else "", metrics_table(r.rows if r else [])]
@@ -309,14 +373,18 @@ class Request:
         self.results[:] = [ColumnResult.failure(message) for _ in range(self.n)]
         return self.outputs(f"**error**: {message}")
 
-    def load(self, model_name: str, progress) -> tuple:
+    def load(self, model_name: str, progress, trust_remote_code: bool = False) -> tuple:
         """``(model, tokenizer)`` from the context's cache, or ``(None, None)`` when the model cannot be loaded
-        (unknown, offline hub id, failed fetch, OOM): every column then shows why (yield ``outputs(LOAD_FAILED)``)."""
-        progress(0.0, desc=f"loading {model_name} (a fetched zoo model is downloaded once)")
+        (a name the gate refuses, a column spec naming a path it refuses, a checkpoint with its own code without
+        the opt-in, offline hub id, failed fetch, OOM): every column then shows why (yield ``outputs(LOAD_FAILED)``).
+        ``trust_remote_code`` counts only when the app was launched with ``--allow-remote-code``."""
+        progress(0.0, desc="loading the model (a fetched zoo model is downloaded once)")
         try:
-            return self.ctx.models.get(model_name)
+            for spec in self.specs:
+                self.ctx.models.gate.check_spec(spec)
+            return self.ctx.models.get(model_name, trust_remote_code=bool(trust_remote_code))
         except Exception as exc:  # noqa: BLE001 - unknown model, offline hub id, failed fetch, OOM: shown per column
-            msg = f"cannot load model {model_name!r}: {exc}"
+            msg = str(exc) if isinstance(exc, InputError) else f"cannot load model {model_name!r}: {exc}"
             logger.warning(msg)
             self.results[:] = [ColumnResult.failure(msg) for _ in range(self.n)]
             return None, None

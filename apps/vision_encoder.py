@@ -19,6 +19,7 @@ from typing import Any
 
 from . import forms
 from .common import InputError, checked_upload
+from .security import DEFAULT_MAX_IMAGE_PIXELS, bounded_image
 
 NO_METHOD = "none"
 """The Vision encoder tab's baseline: the unmodified encoder."""
@@ -75,8 +76,19 @@ def sample_image(name: str, seed: int = 0):
         raise InputError(f"cannot load the scikit-image photo {name!r}: {exc}") from exc
 
 
-def vision_input(upload, sample: str, seed: int, max_bytes: int):
+def vision_input(upload, sample: str, seed: int, max_bytes: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """The image a request runs on: the upload if there is one, else the sample.
+
+    Parameters
+    ----------
+    upload : path or None
+        An uploaded image (the handler's private copy).
+    sample, seed
+        A sample of :data:`VISION_SAMPLES` and the seed of a generated scene.
+    max_bytes : int
+        Upload size limit, bytes.
+    max_pixels : int
+        Pixel cap, read from the header before anything is decoded (:func:`mmaccel.apps.security.bounded_image`).
 
     Returns
     -------
@@ -86,18 +98,14 @@ def vision_input(upload, sample: str, seed: int, max_bytes: int):
     Raises
     ------
     InputError
-        An upload over ``max_bytes``, an upload that is not a readable image (the message of
-        :func:`mmaccel.data.media.load_image`), or a bad sample (see :func:`sample_image`).
+        An upload over ``max_bytes`` or ``max_pixels`` (a pixel bomb), an upload that is not a readable image (the
+        message of :func:`mmaccel.data.media.load_image`, without the server path), or a bad sample (see
+        :func:`sample_image`).
     """
-    from mmaccel.data.media import load_image
-
     seed = 0 if seed is None else seed
     if upload:
         path = checked_upload(upload, max_bytes)
-        try:
-            return load_image(path), f"the uploaded image {path.name}"
-        except (ValueError, OSError) as exc:
-            raise InputError(str(exc).replace(str(path), path.name)) from exc
+        return bounded_image(path, max_pixels, f"the uploaded image {path.name}"), f"the uploaded image {path.name}"
     what = f"scene seed {int(seed)}" if sample == SCENE_SAMPLE else f"the scikit-image photo {sample!r}"
     return sample_image(sample, seed), what
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 import base64
 import html
 import random
-import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,11 +195,11 @@ def build_ar_method(spec: str, kind: str, *, window: int = DEFAULT_WINDOW, vocab
     import torch
 
     from mmaccel.data.palette import PALETTE16
-    from mmaccel.zoo.train.micro_ar import RASTER
     from mmaccel.specs import MethodSpec, build_from_registry, parse_method_spec
     from mmaccel.speculative import SpeculativeMethod
     from mmaccel.speculative.lantern import Lantern, latent_neighbours
     from mmaccel.speculative.sjd import SpeculativeJacobi
+    from mmaccel.zoo.train.micro_ar import RASTER
 
     parsed = parse_method_spec(spec)
     if parsed.name == AUTOREGRESSIVE:
@@ -428,20 +426,9 @@ class ARGenerationTab(Tab):
 
     title, key = "Image & video generation", "argen"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self._last_folder: Path | None = None
-
-    def _folder(self) -> Path:
-        """A fresh output folder under the app's work folder; the previous request's is removed (Gradio has copied
-        its files to its own cache by then)."""
-        if self._last_folder is not None:
-            shutil.rmtree(self._last_folder, ignore_errors=True)
-        self._last_folder = Path(tempfile.mkdtemp(prefix="argen-", dir=self.ctx.work_dir))
-        return self._last_folder
-
     def ar_generation(self, model_name, prompt, kind, temperature, seed, window, repeats, n_columns, spec1, spec2,
-                      spec3, spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+                      spec3, spec4, trust_remote_code=False,
+                      progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Image & video generation: the same prompt painted by each column's method, one column after another.
 
         Parameters
@@ -490,7 +477,7 @@ class ARGenerationTab(Tab):
         except (TypeError, ValueError) as exc:
             yield req.fail_all(str(exc))
             return
-        model, tok = req.load(model_name, progress)
+        model, tok = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield outputs(LOAD_FAILED, final=True)
             return
@@ -500,45 +487,46 @@ class ARGenerationTab(Tab):
         except ValueError as exc:
             yield req.fail_all(str(exc))
             return
-        folder = self._folder()
-        if target is not None:
-            target_path = str(save_column_picture(target, folder, "target", kind))
-        vocab = int(model.get_output_embeddings().weight.shape[0])
-        runs: list = [None] * n
-        for i, spec in enumerate(specs):
-            progress((i, n), desc=f"column {i + 1}: {spec}")
-            yield outputs(f"running column {i + 1} of {n} ({spec}) ...")
-            try:
-                method = build_ar_method(spec, kind, window=window, vocab_size=vocab)
-                run = measured_run(model, tok, ids, spec, method, kind, temperature=temperature, seed=seed,
-                                   repeats=repeats)
-            except Exception as exc:  # noqa: BLE001 - bad spec, bad value, a failed run: this column only
-                results[i] = ColumnResult.failure(error_text(exc))
-                continue
-            runs[i] = run
-            pictures[i] = str(save_column_picture(run.picture, folder, f"col{i + 1}", kind))
-            strip = frame_strip_uri(run.picture, folder, f"col{i + 1}") if kind == "video" else ""
-            results[i] = ColumnResult(html=run_html(run, None if method is None else method.num_draft_tokens, strip),
-                                      record=run)
-        reference = next((r for r in runs if r is not None and r.record.method_name == AUTOREGRESSIVE), None)
-        greedy = temperature == 0
-        for i, run in enumerate(runs):
-            if run is not None:
-                results[i].rows = ar_rows(run, target, reference, greedy)
-        done = [r for r in runs if r is not None]
-        check = ""
-        if greedy and reference is not None:
-            same = [r.spec for r in done if r.record.output_ids == reference.record.output_ids]
-            check = (f" Greedy: {len(same)} of {len(done)} column(s) painted exactly the autoregressive picture "
-                     "(lossless methods must).")
-        elif greedy:
-            check = " Add an `autoregressive` column to check that greedy SJD paints exactly its picture."
-        what = "16 x 16 image" if kind == "image" else "clip of 8 frames of 8 x 8"
-        status = (f"Ran {n} configuration(s) one after another on the same prompt ({prompt!r}, a {what}), "
-                  f"{'greedy' if greedy else f'sampled at temperature {temperature:g}, seed {seed}'}, each after "
-                  f"one warm-up run; seconds are medians of {repeats} run(s) (mmaccel.eval.generate_measured)."
-                  + check + (f" Note: {note}." if note else ""))
-        yield outputs(status, final=True)
+        with self.ctx.request_folder("argen-") as folder:  # pictures are shown from here, then removed
+            folder = Path(folder)
+            if target is not None:
+                target_path = str(save_column_picture(target, folder, "target", kind))
+            vocab = int(model.get_output_embeddings().weight.shape[0])
+            runs: list = [None] * n
+            for i, spec in enumerate(specs):
+                progress((i, n), desc=f"column {i + 1}: {spec}")
+                yield outputs(f"running column {i + 1} of {n} ({spec}) ...")
+                try:
+                    method = build_ar_method(spec, kind, window=window, vocab_size=vocab)
+                    run = measured_run(model, tok, ids, spec, method, kind, temperature=temperature, seed=seed,
+                                       repeats=repeats)
+                except Exception as exc:  # noqa: BLE001 - bad spec, bad value, a failed run: this column only
+                    results[i] = ColumnResult.failure(error_text(exc))
+                    continue
+                runs[i] = run
+                pictures[i] = str(save_column_picture(run.picture, folder, f"col{i + 1}", kind))
+                strip = frame_strip_uri(run.picture, folder, f"col{i + 1}") if kind == "video" else ""
+                results[i] = ColumnResult(html=run_html(run, None if method is None else method.num_draft_tokens, strip),
+                                          record=run)
+            reference = next((r for r in runs if r is not None and r.record.method_name == AUTOREGRESSIVE), None)
+            greedy = temperature == 0
+            for i, run in enumerate(runs):
+                if run is not None:
+                    results[i].rows = ar_rows(run, target, reference, greedy)
+            done = [r for r in runs if r is not None]
+            check = ""
+            if greedy and reference is not None:
+                same = [r.spec for r in done if r.record.output_ids == reference.record.output_ids]
+                check = (f" Greedy: {len(same)} of {len(done)} column(s) painted exactly the autoregressive picture "
+                         "(lossless methods must).")
+            elif greedy:
+                check = " Add an `autoregressive` column to check that greedy SJD paints exactly its picture."
+            what = "16 x 16 image" if kind == "image" else "clip of 8 frames of 8 x 8"
+            status = (f"Ran {n} configuration(s) one after another on the same prompt ({prompt!r}, a {what}), "
+                      f"{'greedy' if greedy else f'sampled at temperature {temperature:g}, seed {seed}'}, each after "
+                      f"one warm-up run; seconds are medians of {repeats} run(s) (mmaccel.eval.generate_measured)."
+                      + check + (f" Note: {note}." if note else ""))
+            yield outputs(status, final=True)
 
     def build(self, model) -> None:
         """The tab: its own model picker, prompt, kind, temperature, seed, window, repeats, the columns; the target
@@ -574,6 +562,7 @@ class ARGenerationTab(Tab):
         kind.change(prompt_for_kind, [kind, prompt], prompt, queue=False, api_visibility="private")
         sample.click(sample_prompt, kind, prompt, queue=False, api_visibility="private")
         ev = run.click(self.ar_generation,
-                       [ar_model, prompt, kind, temperature, seed, window, repeats, ncols, *[c.spec for c in cols]],
+                       [ar_model, prompt, kind, temperature, seed, window, repeats, ncols, *[c.spec for c in cols],
+                        *self.ctx.extra_inputs],
                        [status, target, *outs, *imgs, plot], api_name="ar_generation", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")

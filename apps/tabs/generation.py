@@ -83,7 +83,8 @@ class GenerationTab(Tab):
     title, key = "Generation", "generation"
 
     def generation(self, model_name, prompt, max_new_tokens, num_draft_tokens, repeats, n_columns, spec1, spec2,
-                   spec3, spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+                   spec3, spec4, trust_remote_code=False,
+                   progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Generation: each column's drafter (or the autoregressive baseline) on the same prompt, greedy; accepted
         draft tokens are coloured in the output.
 
@@ -98,7 +99,7 @@ class GenerationTab(Tab):
 
         req = Request(self.ctx, n_columns, (spec1, spec2, spec3, spec4))
         n, specs, results = req.n, req.specs, req.results
-        model, tok = req.load(model_name, progress)
+        model, tok = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield req.outputs(LOAD_FAILED, final=True)
             return
@@ -164,6 +165,7 @@ class GenerationTab(Tab):
         status = gr.Markdown(elem_id="gen-status")
         outs, _ = column_outputs("gen", cols, ncols)
         plot = gr.Plot(label="ratios to column 1", elem_id="gen-plot")
-        ev = run.click(self.generation, [model, prompt, max_new, k, repeats, ncols, *[c.spec for c in cols]],
+        ev = run.click(self.generation, [model, prompt, max_new, k, repeats, ncols, *[c.spec for c in cols],
+                                         *self.ctx.extra_inputs],
                        [status, *outs, plot], api_name="generation", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")

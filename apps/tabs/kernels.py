@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import tempfile
 from pathlib import Path
 
 import gradio as gr
 
-from ..common import MEASURED, Tab
+from ..common import MEASURED, Tab, scrub
 
 HEADERS = ["op", "method", "backend", "length", "ms", "speedup"]
+MAX_SIZE = 16_384
+"""Largest length, cache length or budget the app benchmarks (bigger ones: ``mmaccel kernel-bench``)."""
+MAX_REPEATS = 20
+"""Most timed repeats per kernel in the app."""
 
 
 def kernel_figure(records: list[dict]):
@@ -63,25 +66,29 @@ class KernelsTab(Tab):
                     "--ops", *(ops or ["prefill"]), "--repeats", str(int(repeats)), "--densities", "0.5",
                     "--column-window", "0"]
             for group in (lengths, cache_lengths, budgets):
-                if not all(x.isdigit() and int(x) > 0 for x in str(group).replace(",", " ").split()):
-                    raise ValueError(f"sizes must be positive integers, got {group!r}")
+                if not all(x.isascii() and x.isdigit() and 0 < int(x) <= MAX_SIZE
+                           for x in str(group).replace(",", " ").split()):
+                    raise ValueError(f"sizes must be whole numbers from 1 to {MAX_SIZE}, got {str(group)[:60]!r} "
+                                     "(`mmaccel kernel-bench` runs larger ones)")
+            if not set(ops or ["prefill"]) <= {"prefill", "decode"} or not 1 <= int(repeats) <= MAX_REPEATS:
+                raise ValueError(f"ops are prefill and/or decode, repeats 1 to {MAX_REPEATS}")
             import torch
 
             if not torch.cuda.is_available():
                 argv.insert(0, "--cpu")
-            out = Path(tempfile.mkdtemp(prefix="kbench-", dir=self.ctx.work_dir)) / "bench.json"
             progress(0.1, desc="running the kernel micro-benchmark")
             buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
+            with self.ctx.request_folder("kbench-") as folder, contextlib.redirect_stdout(buf):
+                out = Path(folder) / "bench.json"
                 bench.main([*argv, "--out", str(out)])
-            payload = json.loads(out.read_text())
+                payload = json.loads(out.read_text())
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - argparse exits on bad input
-            return f'**error**: {exc}', {"headers": HEADERS, "data": []}, None
+            return f'**error**: {scrub(exc)}', {"headers": HEADERS, "data": []}, None
         recs = payload["records"]
         rows = [[r["op"], r["method"], r["backend"], r["length"], round(r["ms"], 4), round(r["speedup"], 3)]
                 for r in recs]
         status = (f"Ran on {payload['device']} ({payload['dtype']}); speedup = dense SDPA time / time, same process, "
-                  f"median of {int(repeats)}.\n\n```\n{buf.getvalue().strip()}\n```")
+                  f"median of {int(repeats)}.\n\n```\n{scrub(buf.getvalue().strip())}\n```")
         return status, {"headers": HEADERS, "data": rows}, kernel_figure(recs)
 
     def build(self, model) -> None:

@@ -22,8 +22,13 @@ class LongContextTab(Tab):
     title, key = "Long context", "longctx"
 
     def longctx(self, model_name, document, upload, question, expected, max_new_tokens, repeats, warmup, n_columns,
-                spec1, spec2, spec3, spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+                spec1, spec2, spec3, spec4, trust_remote_code=False,
+                progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Long context: every column's KV-cache method on the same document + question (streams column by column).
+
+        An upload is copied into a private per-request folder (0600), removed when the request ends.
+        ``trust_remote_code``: the "trust remote code" box (only offered, and only honoured, with
+        ``--allow-remote-code``).
 
         Yields
         ------
@@ -32,12 +37,13 @@ class LongContextTab(Tab):
         """
         req = Request(self.ctx, n_columns, (spec1, spec2, spec3, spec4))
         n, specs, results = req.n, req.specs, req.results
-        model, tok = req.load(model_name, progress)
+        model, tok = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield req.outputs(LOAD_FAILED, final=True)
             return
         try:
-            text = read_upload(upload, self.ctx.max_upload_bytes)
+            with self.ctx.request_folder("upload-") as folder:
+                text = read_upload(self.ctx.upload(upload, folder), self.ctx.max_upload_bytes)
             if text is None:
                 text = document
             ids = build_prompt(tok, text, question)
@@ -68,19 +74,24 @@ class LongContextTab(Tab):
                   f"after one warm-up run {how}; medians of {int(repeats)} run(s).")
         yield req.outputs(status, final=True)
 
-    def niah_document(self, model_name, length, depth, seed):
+    def niah_document(self, model_name, length, depth, seed, trust_remote_code=False):
         """Generate a NIAH document for the model's tokenizer: ``(document, question, expected answer)``.
 
         Raises
         ------
         gradio.Error
-            The model cannot be loaded, or the length is too small for the needle (shown as a toast).
+            The model cannot be loaded, or the length is too small for the needle or over
+            :data:`~mmaccel.apps.tabs.evaluations.MAX_LENGTH` (shown as a toast).
         """
+        from .evaluations import MAX_LENGTH
+
         try:
-            _, tok = self.ctx.models.get(model_name)
+            if not 1 <= int(length or 0) <= MAX_LENGTH:
+                raise InputError(f"the NIAH length must be 1 to {MAX_LENGTH} tokens, got {length}")
+            _, tok = self.ctx.models.get(model_name, trust_remote_code=bool(trust_remote_code))
             return niah_document(tok, int(length), float(depth), int(seed), haystack=self.ctx.haystack_tokens(tok))
         except Exception as exc:
-            raise gr.Error(f"cannot generate a NIAH document: {exc}") from exc
+            raise gr.Error(f"cannot generate a NIAH document: {error_text(exc)}") from exc
 
     def build(self, model) -> None:
         """The tab: document, question, upload, NIAH generator; the columns; the outputs and the ratio plot."""
@@ -93,8 +104,8 @@ class LongContextTab(Tab):
                                       placeholder="paste a document, upload a text file, or generate one")
                 question = gr.Textbox(label="question", lines=1, elem_id="lc-question")
             with gr.Column(scale=2):
-                upload = gr.File(label=f"or upload a UTF-8 text file (up to {ctx.max_upload_mb:g} MiB; kept in "
-                                       "Gradio's temp folder)", type="filepath", elem_id="lc-upload")
+                upload = gr.File(label=f"or upload a UTF-8 text file (up to {ctx.max_upload_mb:g} MiB; copied to the "
+                                       "app's private folder for the run)", type="filepath", elem_id="lc-upload")
                 with gr.Row():
                     niah_len = gr.Number(ctx.niah_length, label="NIAH length (tokens)", precision=0, minimum=64)
                     niah_depth = gr.Slider(0, 1, 0.5, step=0.05, label="needle depth")
@@ -113,8 +124,9 @@ class LongContextTab(Tab):
         outs, _ = column_outputs("lc", cols, ncols)
         plot = gr.Plot(label="ratios to column 1", elem_id="lc-plot")
         ev = run.click(self.longctx, [model, document, upload, question, expected, max_new, repeats, warmup, ncols,
-                                      *[c.spec for c in cols]],
+                                      *[c.spec for c in cols], *ctx.extra_inputs],
                        [status, *outs, plot], api_name="longctx", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")
-        gen_doc.click(self.niah_document, [model, niah_len, niah_depth, niah_seed], [document, question, expected],
+        gen_doc.click(self.niah_document, [model, niah_len, niah_depth, niah_seed, *ctx.extra_inputs],
+                      [document, question, expected],
                       api_name="niah_document", **MEASURED)

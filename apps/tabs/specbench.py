@@ -115,7 +115,8 @@ class SpecBenchTab(Tab):
     title, key = "Spec bench", "specbench"
 
     def spec_bench(self, model_name, prompt_sets, n_prompts, max_new_tokens, repeats, n_columns, spec1, spec2, spec3,
-                   spec4, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+                   spec4, trust_remote_code=False,
+                   progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Spec bench: every column's speculative method and the autoregressive baseline on the same prompts.
 
         Parameters
@@ -138,8 +139,8 @@ class SpecBenchTab(Tab):
             ``[status, (html, metrics) x 4, table (markdown), ratio plot]``. Bad settings or a model that cannot be
             loaded put an error in every column; a bad spec (or a draft with another tokenizer) in its own column.
         """
-        from mmaccel.pipeline import resolve_method
         from mmaccel.eval.specbench import BASELINE, PROMPT_SETS, run_spec_bench
+        from mmaccel.pipeline import resolve_method
 
         table, plot = "", None
         req = Request(self.ctx, n_columns, (spec1, spec2, spec3, spec4), empty=AUTOREGRESSIVE,
@@ -158,7 +159,7 @@ class SpecBenchTab(Tab):
         except (InputError, ValueError, TypeError) as exc:
             yield req.fail_all(str(exc))
             return
-        model, tok = req.load(model_name, progress)
+        model, tok = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield outputs(LOAD_FAILED)
             return
@@ -232,6 +233,7 @@ class SpecBenchTab(Tab):
         outs, _ = column_outputs("sb", cols, ncols)
         table = gr.Markdown(elem_id="sb-table")
         plot = gr.Plot(label="ratios to autoregressive decoding", elem_id="sb-plot")
-        ev = run.click(self.spec_bench, [model, sets, count, max_new, repeats, ncols, *[c.spec for c in cols]],
+        ev = run.click(self.spec_bench, [model, sets, count, max_new, repeats, ncols, *[c.spec for c in cols],
+                                         *self.ctx.extra_inputs],
                        [status, *outs, table, plot], api_name="spec_bench", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")

