@@ -117,7 +117,8 @@ def _rope_positions(model):
 # is keep_ratio=1.0 *and* mass=1.0
 LLAVA_METHODS = ["pooling", "visionzip", "prumerge", "fastv", "temporal-tome", "tome", "aim", "aim:layers=1,3",
                  "atp:mass=1.0", "progressive:layers=1,3"]
-QWEN_METHODS = ["pooling", "fastv", "temporal-tome", "aim", "atp:mass=1.0", "progressive:layers=1,3"]
+QWEN_METHODS = ["pooling", "fastv", "temporal-tome", "aim", "atp:mass=1.0", "progressive:layers=1,3", "visionzip",
+                "prumerge", "tome"]
 
 
 def _video_inputs(batch=2):
@@ -159,8 +160,7 @@ def test_every_registered_method_is_in_the_full_budget_tests():
         return {spec.split(":")[0] for spec in specs}
 
     assert set(METHODS) == names(LLAVA_METHODS)
-    assert {name for name, cls in METHODS.items() if cls.stage != "vision" and not getattr(cls, "needs_cls_attention", False)} \
-        <= names(QWEN_METHODS)
+    assert set(METHODS) == names(QWEN_METHODS)  # VisionZip, PruMerge and ToMe included: CLS-free on Qwen2-VL
 
 
 # ------------------------------------------------------------------------------------------------ reductions
@@ -408,10 +408,9 @@ def test_temporal_tome_on_qwen2vl_video_merges_across_frames_and_keeps_mrope(qwe
 def test_unsupported_models_get_one_clear_error(llava, qwen2vl):
     llava_model = llava[0]
     qwen = qwen2vl[0]
-    with pytest.raises(UnsupportedModelError, match="VisionZip does not support Qwen2VLForConditionalGeneration.*CLS"), VisionZip(keep_ratio=0.5).apply(qwen):
-        pass
-    with pytest.raises(UnsupportedModelError, match="ToMe does not support Qwen2VLForConditionalGeneration"), \
-            ToMe(r=2).apply(qwen):
+    assert VisionZip(keep_ratio=0.5).supports(qwen) is None  # CLS-free score (tests/test_vision_tokens_cls_free.py)
+    with pytest.raises(UnsupportedModelError, match="ToMe does not support Qwen2VLForConditionalGeneration.*give "
+                                                    "keep_ratio, not r"), ToMe(r=2).apply(qwen):
         pass
     with pytest.raises(UnsupportedModelError, match=r"layer must be an int in \[1, 3\]"), FastV(layer=4).apply(llava_model):
         pass

@@ -32,6 +32,8 @@ mask.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -208,6 +210,9 @@ class _RunState:
     pending: dict | None = None  # set by the outer pre-hook on an image prefill, consumed by the LM pre-hook
     plan: TokenPlan | None = None  # the sequence plan of the current prompt (prefix of ``plan.length`` tokens)
     vision: dict = field(default_factory=dict)  # per-forward captures from the vision tower
+    #: ``(grids, media) -> [(score [n], keys [n, d]) per grid]`` where a method reads the tower's token scores
+    #: (:func:`_attach_tower_scores`)
+    tower_scores: Any = None
     scratch: dict = field(default_factory=dict)
 
 
@@ -314,16 +319,25 @@ def _even_rows(keep: torch.Tensor, padding: torch.Tensor | None, spare: torch.Te
 
 
 
-# ------------------------------------------------------------------------------------- vision-tower [CLS] attention
-def _cls_layer(parts: VLMParts) -> int | str:
+# ------------------------------------------------------------------------------------- vision-tower dominance
+#: The attention function registered with transformers' ``AttentionInterface`` that records the attention each
+#: key receives (:func:`tower_score_attention`); set on the config copy of one tower attention module only.
+SCORE_ATTENTION = "mmaccel_tower_scores"
+_SCORE_ATTR = "_mmaccel_tower_scores"
+
+
+def _tower_has_cls(tower: nn.Module) -> bool:
+    """Whether the tower's embeddings hold a [CLS] token (``class_embedding`` / ``cls_token``), read from the module."""
+    tower = held_tower(tower)
+    embeddings = getattr(tower, "embeddings", None) or getattr(getattr(tower, "vision_model", None), "embeddings", None)
+    return hasattr(embeddings, "class_embedding") or hasattr(embeddings, "cls_token")
+
+
+def _feature_block(parts: VLMParts) -> int | str:
     """Index of the tower block whose output LLaVA projects (``vision_feature_layer``), or why there is none."""
     layers = vit_layers(parts.tower)
     if layers is None:
         return "its vision tower has no encoder.layers"
-    tower = held_tower(parts.tower)
-    embeddings = getattr(tower, "embeddings", None) or getattr(getattr(tower, "vision_model", None), "embeddings", None)
-    if not (hasattr(embeddings, "class_embedding") or hasattr(embeddings, "cls_token")):
-        return "its vision tower has no [CLS] token (e.g. SigLIP)"
     feature_layer = parts.inner.config.vision_feature_layer
     if not isinstance(feature_layer, int):
         return "a list of vision_feature_layer values is not supported"
@@ -331,6 +345,127 @@ def _cls_layer(parts: VLMParts) -> int | str:
     if not 1 <= h <= len(layers):
         return f"vision_feature_layer {feature_layer} is not the output of a transformer block"
     return h - 1
+
+
+def _cls_layer(parts: VLMParts) -> int | str:
+    """Index of the tower block whose output LLaVA projects, or why there is none (also: the tower has no [CLS])."""
+    if vit_layers(parts.tower) is not None and not _tower_has_cls(parts.tower):
+        return "its vision tower has no [CLS] token (e.g. SigLIP)"
+    return _feature_block(parts)
+
+
+def _score_module(parts: VLMParts) -> tuple[nn.Module, bool] | str:
+    """The tower attention module whose scores rank the visual tokens, and whether they are [CLS] attention; or why
+    there is none.
+
+    LLaVA-style and AnyRes towers: the block LLaVA projects (``vision_feature_layer``); [CLS] attention if the
+    embeddings hold a [CLS] token, else the attention each token receives. Qwen2-VL towers: the last block with
+    attention over the whole image (the last of ``vision_config.fullatt_block_indexes`` where the tower has windowed
+    blocks, Qwen2.5-VL; else the last block).
+    """
+    if parts.kind == "qwen2_vl":
+        blocks = getattr(held_tower(parts.tower), "blocks", None)
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks) or \
+                not all(hasattr(getattr(b, "attn", None), "config") for b in blocks):
+            return "its vision tower has no blocks with an attention module (blocks[i].attn)"
+        full = getattr(getattr(parts.tower, "config", None), "fullatt_block_indexes", None) or [len(blocks) - 1]
+        return blocks[full[-1]].attn, False
+    index = _feature_block(parts)
+    if isinstance(index, str):
+        return index
+    if parts.kind == "anyres" and not callable(getattr(parts.inner, "pack_image_features", None)):
+        return "an AnyRes model without pack_image_features (how the crops' tokens are laid out)"
+    layer = vit_layers(parts.tower)[index]
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    if _tower_has_cls(parts.tower):
+        return attn, True
+    if not hasattr(attn, "config"):
+        return "its tower has no [CLS] token and its attention modules no config (the received-attention score is " \
+               "read through transformers' AttentionInterface)"
+    return attn, False
+
+
+def received_attention(probs: torch.Tensor) -> torch.Tensor:
+    """The CLS-free dominance score: the attention each token receives, averaged over heads and queries.
+
+    A token that many tokens attend to carries the image's summary, as [CLS]-attended tokens do in a CLIP tower; the
+    mean of the attention columns ranks the same tokens without a [CLS] query (the dominance used by
+    :class:`~.visionzip.VisionZip` (Yang et al., 2024, arXiv 2412.04467), :class:`~.prumerge.PruMerge` (Shang et al.,
+    2024, arXiv 2403.15388) on towers without [CLS]).
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        [B, H, Nq, Nk] attention probabilities (rows sum to 1).
+
+    Returns
+    -------
+    torch.Tensor
+        [B, Nk] float32; each row sums to 1.
+    """
+    return probs.float().mean(dim=(1, 2))
+
+
+def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs):
+    """The attention function (``AttentionInterface``) of the one scored tower module: softmax attention that
+    hands :func:`received_attention` [B, Nk] and the keys (mean over heads, [B, Nk, d], after the tower's RoPE if
+    any) to the module's recorder, then returns the output of the module's own implementation (eager: computed from
+    the same probabilities; other implementations: theirs).
+
+    ``query`` [B, H, Nq, d], ``key``/``value`` [B, H, Nk, d]. A Qwen2-VL tower calls it once per image (per window
+    in windowed blocks): the score is the attention received within that block of tokens.
+
+    Raises
+    ------
+    ValueError
+        Under flash attention's packed sequences (``cu_seq_lens_k``): load the model with sdpa or eager attention.
+    """
+    record, original = getattr(module, _SCORE_ATTR, (None, None))
+    if kwargs.get("cu_seq_lens_k") is not None:
+        raise ValueError("the tower's received-attention score needs sdpa or eager attention in the vision tower, "
+                         "not flash attention: load the model with attn_implementation='sdpa'")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = (query.float() @ key.float().transpose(-1, -2)) * scale
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+    probs = logits.softmax(dim=-1)
+    if record is not None:
+        record(received_attention(probs), key.float().mean(dim=1))
+    if original in (None, "eager", SCORE_ATTENTION):
+        out = probs.to(value.dtype) @ value
+        return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[original](module, query, key, value, attention_mask, scaling=scaling,
+                                             dropout=dropout, **kwargs)
+
+
+def _register_score_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SCORE_ATTENTION, tower_score_attention)
+
+
+_register_score_attention()
+
+
+def _attach_received_capture(attn: nn.Module, record, undo: list) -> None:
+    """Give one tower attention module a config copy whose implementation is :data:`SCORE_ATTENTION`, and its
+    recorder; undone on exit (the shared config and the other modules are not touched)."""
+    config = attn.config
+    own = copy.copy(config)
+    own._attn_implementation_internal = SCORE_ATTENTION
+    attn.config = own
+    setattr(attn, _SCORE_ATTR, (record, config._attn_implementation))
+
+    def restore():
+        attn.config = config
+        delattr(attn, _SCORE_ATTR)
+
+    undo.append(restore)
 
 
 def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
@@ -347,24 +482,139 @@ def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
         scale = getattr(module, "scale", None) or getattr(module, "scaling", None) or q.shape[-1] ** -0.5
         probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * scale, dim=-1)[:, :, 0]  # [I, H, N+1]
         # one entry per tower call: a tower run in slices (BatchedVisionEncoding) calls the layer once per slice
-        state.vision.setdefault("cls_calls", []).append((probs.mean(dim=1)[:, 1:], k.mean(dim=1)[:, 1:]))
+        state.vision.setdefault("score_calls", []).append((probs.mean(dim=1)[:, 1:], k.mean(dim=1)[:, 1:]))
 
     _hook(undo, attn, pre, pre=True)
 
 
-def _cls_captures(state: _RunState, n_images: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [CLS] attention [I, N] and keys [I, N, d] of the last ``n_images`` images the tower encoded (over as many
-    calls as it took), and forget the captures.
+def _attach_tower_scores(parts: VLMParts, state: _RunState, undo: list) -> None:
+    """Capture a dominance score and the keys of every visual token the tower encodes, and set
+    ``state.tower_scores(grids, media)`` to read them per grid (:func:`_grid_scores`).
+
+    The score is the [CLS] -> patch attention where the tower has a [CLS] token, else :func:`received_attention` at
+    the module :func:`_score_module` picks. AnyRes models: the per-crop scores are laid out as the crops' tokens are,
+    by the model's own ``pack_image_features`` (unpadding and resampling included), whose arguments are recorded per
+    call; a Qwen2-VL tower's scores are taken back from its window order and averaged over each merged group of
+    patches.
+    """
+    attn, is_cls = _score_module(parts)
+    calls = state.vision
+    if is_cls:
+        _attach_cls_capture(parts, state, undo)
+    elif parts.kind == "qwen2_vl":
+        def tower_pre(module, args, kwargs):
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            calls.setdefault("score_chunks", []).append((grid, []))
+
+        def tower_post(module, args, kwargs, output):
+            grid, chunks = calls["score_chunks"].pop()
+            if chunks:
+                calls.setdefault("score_calls", []).append(_merged_scores(parts, grid, chunks))
+
+        _hook(undo, parts.tower, tower_pre, pre=True)
+        _hook(undo, parts.tower, tower_post, pre=False)
+        _attach_received_capture(attn, lambda s, k: calls["score_chunks"][-1][1].append((s, k))
+                                 if calls.get("score_chunks") else None, undo)
+    else:
+        _attach_received_capture(attn, lambda s, k: calls.setdefault("score_calls", []).append((s, k)), undo)
+    if parts.kind == "anyres":
+        _attach_pack_record(parts, state, undo)
+    state.tower_scores = lambda grids, media: _grid_scores(parts, state, grids, media)
+
+
+def _merged_scores(parts: VLMParts, grid_thw: torch.Tensor, chunks: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Qwen2-VL tower call: the per-patch scores and keys of its attention calls (in the tower's order) -> [1, T]
+    scores and [1, T, d] keys of its T merged tokens (mean over each ``merge x merge`` group), in the merger's output
+    order. A windowed tower (``vision_config.window_size``, Qwen2.5-VL) orders its patches by window: that order is
+    undone with transformers' own ``get_vision_window_index``."""
+    scores = torch.cat([s.reshape(-1) for s, _ in chunks])
+    keys = torch.cat([k.reshape(-1, k.shape[-1]) for _, k in chunks])
+    config = parts.tower.config
+    unit = config.spatial_merge_size ** 2
+    scores, keys = scores.view(-1, unit).mean(dim=1), keys.view(-1, unit, keys.shape[-1]).mean(dim=1)
+    if getattr(config, "window_size", None) and grid_thw is not None:
+        from transformers.vision_utils import get_vision_window_index
+
+        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=config.spatial_merge_size,
+                                                  window_size=config.window_size, patch_size=config.patch_size)
+        order = torch.argsort(window_index.to(scores.device))
+        scores, keys = scores[order], keys[order]
+    return scores[None], keys[None]
+
+
+def _attach_pack_record(parts: VLMParts, state: _RunState, undo: list) -> None:
+    """AnyRes: record the arguments of every ``pack_image_features`` call of this one instance (an instance attribute
+    wrapping the bound method, removed on exit), so that the crops' scores can be packed the same way."""
+    inner = parts.inner
+    original = inner.pack_image_features
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def pack(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        crops = [int(f.shape[0]) for f in bound.arguments["image_features"]]
+        state.vision["pack"] = (crops, bound, original)
+        return original(*args, **kwargs)
+
+    inner.pack_image_features = pack
+    undo.append(lambda: delattr(inner, "pack_image_features"))
+
+
+def _grid_scores(parts: VLMParts, state: _RunState, grids: list[ImageGrid], media: str) -> list[tuple]:
+    """The dominance score [n] and keys [n, d] of every grid's ``t x h x w`` raster (the tokens
+    :meth:`~.pre_llm.ImageReducer.plan_image` gets), from the last tower calls, which are then forgotten.
 
     Raises
     ------
     ValueError
-        If fewer images were captured (the tower did not run through the hooked layer).
+        If the tower's scores were captured for fewer tokens than the prompt has (the tower did not run through the
+        hooked module), or for an AnyRes video on a model without ``apply_pooling``.
     """
-    calls = state.vision.pop("cls_calls", [])
-    attention = torch.cat([a for a, _ in calls]) if calls else torch.empty(0)
-    if attention.shape[0] < n_images:
-        raise ValueError(f"the vision tower's [CLS] attention was captured for {attention.shape[0]} images, the prompt "
-                         f"has {n_images}: apply the method to the model whose tower encodes the images")
-    return attention[-n_images:], torch.cat([k for _, k in calls])[-n_images:]
-
+    calls = state.vision.pop("score_calls", [])
+    pack = state.vision.pop("pack", None)
+    scores = torch.cat([s for s, _ in calls]) if calls else torch.empty(0, 0)
+    keys = torch.cat([k for _, k in calls]) if calls else torch.empty(0, 0, 0)
+    short = ValueError("the vision tower's token scores were not captured for every image of the prompt: apply the "
+                       "method to the model whose tower encodes the images")
+    if parts.kind == "qwen2_vl":
+        scores, keys = scores.reshape(-1), keys.reshape(-1, keys.shape[-1])
+        sizes = [g.tokens for g in grids]
+        if scores.numel() < sum(sizes):
+            raise short
+        start = scores.numel() - sum(sizes)
+        return list(zip(scores[start:].split(sizes), keys[start:].split(sizes)))
+    if parts.kind == "llava":
+        if scores.shape[0] < len(grids):
+            raise short
+        return list(zip(scores[-len(grids):], keys[-len(grids):]))
+    both = torch.cat([scores[..., None], keys], dim=-1)  # [crops, N, 1 + d]: packed together, split after
+    if media == "video":
+        pooling = getattr(parts.inner, "apply_pooling", None)
+        frames = sum(g.t for g in grids)
+        if pooling is None:
+            raise ValueError("this AnyRes model pools video frames without apply_pooling: the tower's scores cannot "
+                             "be laid out like its video tokens")
+        if both.shape[0] < frames:
+            raise short
+        packed = [f.reshape(-1, f.shape[-1]) for f in pooling(both[-frames:]).split([g.t for g in grids])]
+    else:
+        if pack is None or both.shape[0] < sum(pack[0]):
+            raise short
+        crops, bound, original = pack
+        args = {**bound.arguments, "image_features": list(both[-sum(crops):].split(crops))}
+        if "image_newline" in bound.signature.parameters:
+            args["image_newline"] = None  # the newline column is structural: grids exclude it
+        call = bound.signature.bind(**args)
+        packed = original(*call.args, **call.kwargs)[0]
+    out, k = [], 0
+    for feats in packed:
+        offset = 0
+        while offset < feats.shape[0]:
+            g = grids[k]
+            n = g.t * g.h * g.w
+            out.append((feats[offset: offset + n, 0], feats[offset: offset + n, 1:]))
+            offset += n
+            k += 1
+    if k != len(grids):
+        raise short
+    return out

@@ -20,14 +20,13 @@ from torch import nn
 
 from .adapters import (
     VLMParts,
-    _attach_cls_capture,
     _attach_outer,
-    _cls_captures,
-    _cls_layer,
+    _attach_tower_scores,
     _encode_media,
     _even_rows,
     _past_length,
     _RunState,
+    _score_module,
 )
 from .base import ImageGrid, VisionTokenMethod, _hook
 from .plan import TokenPlan
@@ -148,19 +147,25 @@ class ImageReducer(VisionTokenMethod):
 
     A subclass implements :meth:`plan_image`, called once per :class:`ImageGrid` (per image; per part of an AnyRes
     image) with that grid's ``t x h x w`` raster only; the base keeps the grid's prefix, suffix and newline tokens
-    (see the module notes) and lifts the plans to the sequence. If it needs the vision tower's [CLS] attention it
-    sets ``needs_cls_attention`` and receives ``cls_attention`` [N] (mean over heads) and ``keys`` [N, d] (mean over
-    heads) of the layer whose output LLaVA feeds the projector (LLaVA-1.5-style models only).
+    (see the module notes) and lifts the plans to the sequence. If it ranks tokens by the vision tower's attention
+    it sets ``needs_tower_scores`` and receives, per raster token, ``dominance`` [N] and ``keys`` [N, d] (mean over
+    heads) from :func:`~.adapters._attach_tower_scores`: the [CLS] -> patch attention of the layer LLaVA projects
+    where the tower has a [CLS] token; else the attention each token receives, averaged over heads and queries
+    (:func:`~.adapters.received_attention`), at that layer (SigLIP towers: LLaVA-OneVision) or, in a Qwen2-VL tower,
+    at its last full-attention block within each image, averaged over each merged 2 x 2 group. AnyRes crops are
+    scored per crop and laid out by the model's own ``pack_image_features``.
 
     Attributes
     ----------
     telemetry : dict
-        ``tokens_before`` / ``tokens_after`` (one entry per grid, all its tokens), ``sequence_before`` /
+        ``tokens_before`` / ``tokens_after`` (one entry per grid, all its tokens), ``raster_before`` /
+        ``raster_after`` (per grid, its ``t x h x w`` raster tokens only: what ``keep_ratio`` applies to),
+        ``sequence_before`` /
         ``sequence_after``, ``kept_positions`` [B, K] (original positions of the tokens the LLM sees).
     """
 
     stage: ClassVar[str] = "pre-llm"
-    needs_cls_attention: ClassVar[bool] = False
+    needs_tower_scores: ClassVar[bool] = False
     #: On fixed-grid LLaVA models, reduce the projected features and the placeholder ids *before* ``LlavaModel``
     #: merges them (:func:`_attach_reduce_before_merge`), so that the full-length embeddings never exist; the
     #: language model receives the same inputs either way. ``False`` reduces at the language model's entry, as on
@@ -190,7 +195,7 @@ class ImageReducer(VisionTokenMethod):
         grid : ImageGrid
         info : dict
             ``image_index`` (order of appearance in the batch, counting images), ``grid_index`` (counting grids);
-            ``cls_attention`` [N] and ``keys`` [N, d] when ``needs_cls_attention``.
+            ``dominance`` [N] and ``keys`` [N, d] (float32) when ``needs_tower_scores``.
 
         Returns
         -------
@@ -206,14 +211,8 @@ class ImageReducer(VisionTokenMethod):
         if self.positions == "contiguous" and parts.kind not in ("llava", "anyres"):
             return "positions='contiguous' renumbers 1-D position ids (LLaVA-style models); Qwen2-VL's M-RoPE " \
                    "positions are 3-D: use positions='original'"
-        if self.needs_cls_attention:
-            if parts.kind == "anyres":
-                return "it needs one [CLS] attention map per image from the vision tower, and AnyRes models encode " \
-                       "an image as several crops (LLaVA-OneVision's SigLIP tower has no [CLS] at all); supported: " \
-                       "LLaVA-1.5-style models (LlavaForConditionalGeneration) with a [CLS]-token tower"
-            if parts.kind != "llava":
-                return "it needs a [CLS] token in the vision tower (LLaVA-style CLIP/SigLIP towers); Qwen2-VL has none"
-            reason = _cls_layer(parts)
+        if self.needs_tower_scores:
+            reason = _score_module(parts)
             if isinstance(reason, str):
                 return reason
         return None
@@ -222,8 +221,8 @@ class ImageReducer(VisionTokenMethod):
         parts = VLMParts.find(model)
         state = _RunState()
         _attach_outer(parts, state, undo)
-        if self.needs_cls_attention:
-            _attach_cls_capture(parts, state, undo)
+        if self.needs_tower_scores:
+            _attach_tower_scores(parts, state, undo)
 
         def lm_pre(module, args, kwargs):
             embeds = kwargs.get("inputs_embeds")
@@ -263,9 +262,9 @@ class ImageReducer(VisionTokenMethod):
 
     def _sequence_plan(self, pending: dict, embeds: torch.Tensor, state: _RunState) -> TokenPlan:
         image_mask, grids = pending["image_mask"], pending["grids"]
-        plans, before, after = [], [], []
-        if self.needs_cls_attention:
-            cls_attention, keys = _cls_captures(state, len(grids))
+        plans, before, after, raster = [], [], [], []
+        if self.needs_tower_scores:
+            scores = state.tower_scores(grids, pending.get("kind", "image"))
         k, image = 0, -1
         for b in range(image_mask.shape[0]):
             pos = image_mask[b].nonzero().squeeze(1)
@@ -276,9 +275,11 @@ class ImageReducer(VisionTokenMethod):
                 image += int(grid.part == 0)
                 feats = embeds[b, seg[grid.raster_index(seg.device)]]
                 info = {"image_index": image, "grid_index": k}
-                if self.needs_cls_attention:
-                    info.update(cls_attention=cls_attention[k], keys=keys[k])
-                plans.append(_grid_plan(self.plan_image(feats, grid, info), grid))
+                if self.needs_tower_scores:
+                    info.update(dominance=scores[k][0], keys=scores[k][1])
+                image_plan = self.plan_image(feats, grid, info)
+                raster.append((image_plan.length, image_plan.num_kept))
+                plans.append(_grid_plan(image_plan, grid))
                 before.append(grid.tokens)
                 after.append(plans[-1].num_kept)
                 offset += grid.tokens
@@ -287,6 +288,7 @@ class ImageReducer(VisionTokenMethod):
         self._image_plans = plans
         self.telemetry = {"method": self.name, "stage": self.stage, "media": pending.get("kind", "image"),
                           "tokens_before": before, "tokens_after": after,
+                          "raster_before": [n for n, _ in raster], "raster_after": [k for _, k in raster],
                           "sequence_before": plan.length, "sequence_after": plan.num_kept,
                           "kept_positions": plan.index.tolist()}
         logger.debug("%s: %d -> %d visual tokens", self.name, sum(before), sum(after))

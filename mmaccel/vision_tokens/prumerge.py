@@ -1,4 +1,5 @@
-"""PruMerge: keep the [CLS]-attention outliers (IQR), fill spatially, merge the pruned tokens into them."""
+"""PruMerge: keep the outliers (IQR) of the tower's attention ([CLS] or received), fill spatially, merge the pruned
+tokens into them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +21,14 @@ def iqr_outliers(scores: torch.Tensor, k: float = 1.5) -> torch.Tensor:
     return scores.float() > q3 + k * (q3 - q1)
 
 
-def prumerge_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, fence: float = 1.5) -> TokenPlan:
+def prumerge_plan(dominance: torch.Tensor, keys: torch.Tensor, keep: int, fence: float = 1.5) -> TokenPlan:
     """Plan one image.
 
     Parameters
     ----------
-    cls_attention : torch.Tensor
-        [N] [CLS] -> patch attention (mean over heads).
+    dominance : torch.Tensor
+        [N] [CLS] -> patch attention (mean over heads), or on a tower without [CLS] the attention each patch receives
+        (mean over heads and queries).
     keys : torch.Tensor
         [N, d] keys of the same layer (mean over heads).
     keep : int
@@ -39,14 +41,14 @@ def prumerge_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, fe
     TokenPlan
         Batch 1 over N. Kept: the IQR outliers, highest attention first, capped at ``keep``; then (PruMerge+)
         spatially uniform samples of the other tokens up to ``keep``. Every pruned token is merged into its most
-        similar kept token (key cosine), weighted by [CLS] attention.
+        similar kept token (key cosine), weighted by its dominance.
     """
-    N = cls_attention.shape[0]
-    device = cls_attention.device
+    N = dominance.shape[0]
+    device = dominance.device
     if keep >= N:
         return TokenPlan.identity(1, N, device)
-    outliers = iqr_outliers(cls_attention, fence)
-    order = cls_attention.float().masked_fill(~outliers, float("-inf")).argsort(descending=True)
+    outliers = iqr_outliers(dominance, fence)
+    order = dominance.float().masked_fill(~outliers, float("-inf")).argsort(descending=True)
     chosen = order[: min(keep, int(outliers.sum()))]
     is_kept = torch.zeros(N, dtype=torch.bool, device=device)
     is_kept[chosen] = True
@@ -60,7 +62,7 @@ def prumerge_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, fe
     rep = torch.arange(N, device=device)
     metric = F.normalize(keys.float(), dim=-1)
     rep[pruned] = kept[(metric[pruned] @ metric[kept].T).argmax(dim=-1)]
-    weight = cls_attention.float().clamp_min(1e-12)
+    weight = dominance.float().clamp_min(1e-12)
     return TokenPlan.from_representatives(rep[None], weight[None])
 
 
@@ -76,6 +78,14 @@ class PruMerge(ImageReducer):
     kept token (the paper's kept tokens each average their 32 nearest neighbours, which may overlap); merging is on
     the projected tokens.
 
+    Without a [CLS] token (read from the tower's embeddings: SigLIP in LLaVA-OneVision, Qwen2-VL / Qwen2.5-VL), the
+    attention a patch *receives*, averaged over heads and over all queries (:func:`~.adapters.received_attention`),
+    takes the place of [CLS] attention, for the outliers and as merge weights: at the layer LLaVA projects, or in a
+    Qwen2-VL tower at its last full-attention block (within each image), averaged over each merged 2 x 2 group.
+    PruMerge's premise is that [CLS] attention is sparse with a few outliers; the same fence is applied to received
+    attention unchanged (how heavy its tail is on real towers is not measured here). AnyRes crops are scored per crop and laid out by the model's own
+    ``pack_image_features``.
+
     Parameters
     ----------
     keep_ratio : float
@@ -88,14 +98,15 @@ class PruMerge(ImageReducer):
     ValueError
         If ``keep_ratio`` is outside (0, 1] or ``fence < 0``.
     UnsupportedModelError
-        From ``apply`` on a model without a [CLS]-token tower (Qwen2-VL) or that is not LLaVA-style.
+        From ``apply`` on a model that is not a supported VLM (:class:`~.adapters.VLMParts`), or whose tower's
+        scored layer cannot be found (a list ``vision_feature_layer``).
     """
 
     fence: float = 1.5
 
     name: ClassVar[str] = "prumerge"
     paper: ClassVar[str] = "Shang et al., 2024, arXiv 2403.15388"
-    needs_cls_attention: ClassVar[bool] = True
+    needs_tower_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,4 +115,4 @@ class PruMerge(ImageReducer):
 
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         keep = kept_count(features.shape[0], self.keep_ratio)
-        return prumerge_plan(info["cls_attention"], info["keys"], keep, self.fence)
+        return prumerge_plan(info["dominance"], info["keys"], keep, self.fence)

@@ -1,6 +1,7 @@
 """Temporal ToMe: merge the most similar tokens across adjacent frames of a video, between projector and LLM."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -121,7 +122,9 @@ class TemporalToMe(ImageReducer):
 
     What a clip is: a video input (Qwen2-VL ``pixel_values_videos``, a OneVision video), or a run of consecutive
     images of the same size in one prompt (:func:`frame_grids`) -- how a LLaVA-1.5-style model, which has no video
-    input, is fed a video: one ``<image>`` per frame. A single image is left unchanged.
+    input, is fed a video: one ``<image>`` per frame. A single image (a one-frame clip) is left unchanged, and at
+    ``keep_ratio < 1`` a ``UserWarning`` says so (how many clips of the prompt are single frames, and what to use for
+    still images instead).
 
     ``telemetry``: as :class:`~.pre_llm.ImageReducer` (``tokens_before`` / ``tokens_after`` per clip), plus
     ``frames``: the frames of each clip. :meth:`source_map` gives one plan per clip.
@@ -151,6 +154,12 @@ class TemporalToMe(ImageReducer):
         grids = pending["grids"]
         if pending.get("kind", "image") == "image":
             grids = frame_grids(grids, pending["image_mask"].sum(dim=1).tolist())
+        single = sum(g.t == 1 for g in grids)
+        if single and self.keep_ratio < 1.0:
+            warnings.warn(f"temporal-tome merges across the frames of a clip, and {single} of the {len(grids)} clips "
+                          "of this prompt are single frames (still images): their tokens are all kept; for still "
+                          "images use a spatial method (pooling, visionzip, prumerge, tome)", UserWarning,
+                          stacklevel=2)
         plan = super()._sequence_plan({**pending, "grids": grids}, embeds, state)
         self.telemetry["frames"] = [g.t for g in grids]
         return plan

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.parts import vit_layers
-from .adapters import VLMParts, _cls_layer
+from .adapters import VLMParts, _cls_layer, _score_module, _tower_has_cls
 from .base import ImageGrid, VisionTokenMethod, kept_count
 from .plan import TokenPlan
 from .pre_llm import ImageReducer
 
-__all__ = ["ToMe", "bipartite_soft_matching", "parse_schedule"]
+__all__ = ["ToMe", "bipartite_soft_matching", "parse_schedule", "tome_plan"]
 
 
 def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) -> TokenPlan:
@@ -61,6 +61,33 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) ->
     rep = torch.arange(N, device=metric.device).expand(B, N).clone()
     rep.scatter_(1, a_pos[src], b_pos[dst])
     return TokenPlan.from_representatives(rep)
+
+
+def tome_plan(keys: torch.Tensor, keep: int) -> TokenPlan:
+    """ToMe on one image's tokens at once: rounds of :func:`bipartite_soft_matching` (each merges at most half of
+    the tokens) until ``keep`` are left; each round matches on the size-weighted mean keys of the groups so far.
+
+    Parameters
+    ----------
+    keys : torch.Tensor
+        [N, d] keys (mean over heads) of the tokens.
+    keep : int
+        Output tokens, ``1 <= keep``; ``keep >= N`` keeps every token.
+
+    Returns
+    -------
+    TokenPlan
+        Batch 1 over N, ``min(keep, N)`` outputs; a merged token is the mean of its source tokens (ToMe's size
+        weighting).
+    """
+    n = keys.shape[0]
+    plan = TokenPlan.identity(1, n, keys.device)
+    metric, size = keys.float()[None], torch.ones(1, n, device=keys.device)
+    while plan.num_kept > max(keep, 1):
+        step = bipartite_soft_matching(metric, plan.num_kept - keep)
+        metric, size = step.merge(metric, size), step.merge_weights(size)
+        plan = plan.then(step)
+    return plan
 
 
 def parse_schedule(schedule: Any) -> list[int]:
@@ -236,8 +263,8 @@ class ToMe(VisionTokenMethod):
         If ``keep_ratio`` is outside (0, 1], ``r < 0``, a schedule entry is not an int >= 0, or ``r``/``schedule``
         are combined with each other or with ``keep_ratio < 1``; at run time if the schedule is longer than the model.
     UnsupportedModelError
-        From ``apply`` on a model that is neither a HF ViT with pre-norm blocks nor a LLaVA-style VLM with such a
-        tower (Qwen2-VL is refused).
+        From ``apply`` on a model that is neither a HF ViT with pre-norm blocks nor a supported VLM; on an AnyRes or
+        Qwen2-VL model given ``r`` or ``schedule`` (per-block counts of the tower).
 
     Notes
     -----
@@ -245,6 +272,17 @@ class ToMe(VisionTokenMethod):
     unmerges there (every patch gets its group's value, ToMe's ``unmerge``), so LLaVA's projector and placeholders
     see N tokens, and the language model then gets one token per group, at the group's representative position.
     The tower saves compute; the projector runs on N copies (cheap); the LLM sees the reduced count.
+
+    AnyRes models (LLaVA-NeXT, LLaVA-OneVision) unpad and resample the crops' tokens after the tower, and a Qwen2-VL
+    tower attends within images (windows, in Qwen2.5-VL) and merges 2 x 2 groups after its blocks, so a merge inside
+    their towers would not survive to the language model. There ToMe runs between the projector and the LLM instead,
+    on each grid (base image, crops, Qwen2-VL image) at once (:func:`tome_plan`): bipartite soft matching on the keys
+    of the tower layer the pre-LLM methods score (:func:`~.adapters._attach_tower_scores`: the layer LLaVA projects;
+    Qwen2-VL's last full-attention block, keys averaged over each merged 2 x 2 group, after the tower's RoPE) until
+    ``keep_ratio`` of the tokens are left; merged tokens are the means of their sources, at the position of the
+    group's representative. A LLaVA-1.5-style model whose tower has no [CLS] token (read from its embeddings) is
+    treated the same way. ToMe ranks by similarity alone and reads no [CLS] or other dominance score: on these towers
+    no token is protected (ToMe protects [CLS] only where there is one). The tower saves no compute there.
     """
 
     r: int | None = None
@@ -271,12 +309,13 @@ class ToMe(VisionTokenMethod):
     def supports(self, model: nn.Module) -> str | None:
         parts = VLMParts.find(model)
         if not isinstance(parts, str):
-            if parts.kind != "llava":
-                if parts.kind == "anyres":
-                    return ("ToMe merges inside the tower, and an AnyRes model (LLaVA-NeXT / OneVision) unpads and "
-                            "resamples its crops after it; supported: LLaVA-1.5-style models and bare ViTs (e.g. the "
-                            "SigLIP tower on its own)")
-                return "ToMe needs a ViT tower with a fixed token grid (LLaVA-style); Qwen2-VL's windowed tower is not"
+            if _merges_before_llm(parts):
+                if self.r is not None or self.schedule is not None:
+                    return ("on AnyRes and Qwen2-VL models ToMe merges between the projector and the LLM (their towers "
+                            "unpad, resample or window the tokens): give keep_ratio, not r or schedule; per-block "
+                            "schedules: LLaVA-1.5-style models and bare ViTs")
+                reason = _score_module(parts)
+                return reason if isinstance(reason, str) else None
             index = _cls_layer(parts)
             if isinstance(index, str):
                 return index
@@ -297,6 +336,9 @@ class ToMe(VisionTokenMethod):
         parts = VLMParts.find(model)
         if isinstance(parts, str):
             self._attach_tower(model, vit_layers(model), undo)
+            return
+        if _merges_before_llm(parts):
+            _GridToMe(keep_ratio=self.keep_ratio, owner=self)._attach(model, undo)
             return
         # a LLaVA-style VLM: merge in the blocks up to the projected one, hand LLaVA all N tokens back (copies), and
         # let the language model see one token per merged group (the copies are identical, so this is exact)
@@ -359,14 +401,46 @@ class ToMe(VisionTokenMethod):
                           "tokens_after": state.tokens[-1] if state.tokens else state.tokens_in}
 
 
+def _merges_before_llm(parts: VLMParts) -> bool:
+    """Whether ToMe runs between projector and LLM on this VLM (AnyRes, Qwen2-VL, a tower without [CLS]) rather
+    than in its tower."""
+    return parts.kind != "llava" or not _tower_has_cls(parts.tower)
+
+
 @dataclass
-class _SourceMapReducer(ImageReducer):
+class _OwnedReducer(ImageReducer):
+    """A pre-LLM reducer run on behalf of a :class:`ToMe` (``owner``), whose telemetry it fills."""
+
+    owner: Any = None
+    name: ClassVar[str] = "tome"
+
+    def _sequence_plan(self, pending, embeds, state):
+        plan = super()._sequence_plan(pending, embeds, state)
+        self.owner.telemetry.update({k: v for k, v in self.telemetry.items() if k not in ("method", "stage")})
+        return plan
+
+
+@dataclass
+class _GridToMe(_OwnedReducer):
+    """ToMe between projector and LLM on AnyRes and Qwen2-VL models (:func:`tome_plan` on each grid's tower keys).
+    Internal to :class:`ToMe`."""
+
+    needs_tower_scores: ClassVar[bool] = True
+
+    def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
+        return tome_plan(info["keys"], kept_count(features.shape[0], self.keep_ratio))
+
+    def _sequence_plan(self, pending, embeds, state):
+        self.owner.telemetry = {"method": self.owner.name, "stage": "pre-llm"}
+        return super()._sequence_plan(pending, embeds, state)
+
+
+@dataclass
+class _SourceMapReducer(_OwnedReducer):
     """ToMe inside a LLaVA tower, seen from the language model: one token per merged group of the projected
     layer (the group's representative position), from the tower's source map. Internal to :class:`ToMe`."""
 
-    owner: Any = None
     state: Any = None
-    name: ClassVar[str] = "tome"
 
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         source = self.state.source
@@ -376,8 +450,3 @@ class _SourceMapReducer(ImageReducer):
         k = info["image_index"]
         rep = source.index[k][source.slot_of()[k]]  # [1 + N] original position of each token's representative
         return TokenPlan.from_representatives((rep[1:] - 1)[None])  # drop [CLS] (the "default" strategy does)
-
-    def _sequence_plan(self, pending, embeds, state):
-        plan = super()._sequence_plan(pending, embeds, state)
-        self.owner.telemetry.update({k: v for k, v in self.telemetry.items() if k not in ("method", "stage")})
-        return plan

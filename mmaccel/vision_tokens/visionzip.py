@@ -1,4 +1,5 @@
-"""VisionZip: dominant tokens by [CLS] attention plus contextual merging, between projector and LLM."""
+"""VisionZip: dominant tokens by the tower's attention ([CLS] or received) plus contextual merging, between
+projector and LLM."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from .pre_llm import ImageReducer
 __all__ = ["VisionZip", "visionzip_plan"]
 
 
-def visionzip_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, contextual: int) -> TokenPlan:
+def visionzip_plan(dominance: torch.Tensor, keys: torch.Tensor, keep: int, contextual: int) -> TokenPlan:
     """Plan one image: ``keep - contextual`` dominant tokens plus ``contextual`` merged context tokens.
 
     Parameters
     ----------
-    cls_attention : torch.Tensor
-        [N] attention each patch gets from [CLS] (mean over heads).
+    dominance : torch.Tensor
+        [N] dominance score, higher = kept first: the attention each patch gets from [CLS] (mean over heads), or
+        on a tower without [CLS] the attention it receives, averaged over heads and queries.
     keys : torch.Tensor
         [N, d] keys of the same layer (mean over heads), the similarity metric.
     keep : int
@@ -35,11 +37,11 @@ def visionzip_plan(cls_attention: torch.Tensor, keys: torch.Tensor, keep: int, c
         uniformly strided targets, every other remaining token is assigned to its most similar target (key cosine)
         and each target becomes the average of itself and its assigned tokens. Everything else is dropped.
     """
-    N = cls_attention.shape[0]
-    device = cls_attention.device
+    N = dominance.shape[0]
+    device = dominance.device
     if keep >= N:
         return TokenPlan.identity(1, N, device)
-    dominant = cls_attention.topk(keep - contextual).indices
+    dominant = dominance.topk(keep - contextual).indices
     rep = torch.full((N,), -1, dtype=torch.long, device=device)
     rep[dominant] = dominant
     if contextual > 0:
@@ -70,6 +72,14 @@ class VisionZip(ImageReducer):
     similarity. Text-agnostic. The scores come from that layer's own q/k projections (one extra [CLS] query), so the
     tower runs under SDPA.
 
+    Without a [CLS] token (read from the tower's embeddings: SigLIP in LLaVA-OneVision, Qwen2-VL / Qwen2.5-VL), the
+    dominance of a patch is the attention it *receives*, averaged over heads and over all queries
+    (:func:`~.adapters.received_attention`), at the layer LLaVA projects, or in a Qwen2-VL tower at its last
+    full-attention block (within each image), averaged over each merged 2 x 2 group. VisionZip's own motivation is
+    that attention concentrates on a few tokens that every query reads; the column mean measures that directly.
+    AnyRes images (LLaVA-NeXT, OneVision) are scored per crop and the scores are laid out like the crops' tokens by
+    the model's own ``pack_image_features``; base image and crops are planned as separate grids.
+
     Differences from the reference code, on purpose: the merge is applied to the *projected* tokens (the issue's
     "between projector and LLM"), not to the tower's features before the projector; a contextual token is the plain
     average of its target and assigned tokens (VisionZip adds the target to the mean of the others).
@@ -86,14 +96,15 @@ class VisionZip(ImageReducer):
     ValueError
         If ``keep_ratio`` is outside (0, 1] or ``contextual_ratio`` outside [0, 1).
     UnsupportedModelError
-        From ``apply`` on a model without a [CLS]-token tower (Qwen2-VL) or that is not LLaVA-style.
+        From ``apply`` on a model that is not a supported VLM (:class:`~.adapters.VLMParts`), or whose tower's
+        scored layer cannot be found (a list ``vision_feature_layer``).
     """
 
     contextual_ratio: float = 10 / 64
 
     name: ClassVar[str] = "visionzip"
     paper: ClassVar[str] = "Yang et al., 2024, arXiv 2412.04467"
-    needs_cls_attention: ClassVar[bool] = True
+    needs_tower_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,4 +116,4 @@ class VisionZip(ImageReducer):
         n = features.shape[0]
         keep = kept_count(n, self.keep_ratio)
         contextual = min(keep - 1, round(keep * self.contextual_ratio))
-        return visionzip_plan(info["cls_attention"], info["keys"], keep, contextual)
+        return visionzip_plan(info["dominance"], info["keys"], keep, contextual)
