@@ -26,6 +26,13 @@ PROMPTS = (
     "Translate 'good morning' into French.",
     "Write one sentence about the sea.",
 )
+# raw completions (no chat template): what a base model is checked with, and a second view of an instruct model
+COMPLETIONS = (
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Water boils at a temperature of",
+    "The opposite of hot is",
+)
 
 
 def perplexity(model, tokenizer, *, tokens: int, windows: int) -> dict:
@@ -61,6 +68,31 @@ def greedy_answers(model, tokenizer, max_new_tokens: int = 40) -> list[dict]:
     return out
 
 
+def greedy_completions(model, tokenizer, max_new_tokens: int = 12) -> list[dict]:
+    """Greedy continuations of :data:`COMPLETIONS` as raw text (no chat template; the tokenizer's own BOS rule)."""
+    out = []
+    for prompt in COMPLETIONS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append({"prompt": prompt, "answer": tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)})
+    return out
+
+
+def memory(model, rss_before: int, rss_after: int) -> dict:
+    """Parameter bytes in fp32 and bf16 (unique tensors: tied weights count once) and the process's peak RSS (bytes)
+    before and after the load (``ru_maxrss``; the load's own peak when nothing larger ran before it)."""
+    n = sum(p.numel() for p in model.parameters())
+    return {"parameters": n, "fp32_bytes": 4 * n, "bf16_bytes": 2 * n, "peak_rss_before_load_bytes": rss_before,
+            "peak_rss_after_load_bytes": rss_after}
+
+
+def _max_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kibibytes on Linux
+
+
 def main(argv=None) -> int:
     from mmaccel import load
 
@@ -74,13 +106,17 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    rss_before = _max_rss()
     model, tokenizer = load(args.model, device="cpu")
+    rss_after = _max_rss()
     result = {
         "model": args.model,
         "device": f"cpu ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
         "dtype": str(next(model.parameters()).dtype),
         "perplexity": perplexity(model, tokenizer, tokens=args.tokens, windows=args.windows),
         "greedy": greedy_answers(model, tokenizer),
+        "completions": greedy_completions(model, tokenizer),
+        "memory": memory(model, rss_before, rss_after),
     }
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,14 @@ FETCHED: dict[str, FetchedEntry] = {
         joined_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         joined_bytes=491_400_064,
         joined_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        files={
+            "chat_template.jinja": ("cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f", 2_507),
+            "config.json": ("dce120fd02d4f438ecaeeb8ba26b5f28b6bf21b2e9a5bc3911cf64ae6e946c8d", 1_362),
+            "generation_config.json": ("9bcc98499f0ad8a9649f7235022c8df157abb6d373bb1910988a907a3c49a772", 117),
+            "model.safetensors": ("c140a1218a3903f3f8c5627a7846b6106a2bb297e8d7abe6c6f593bd254b6a05", 2_520_702_368),
+            "tokenizer.json": ("870929f6937e07fc88e0bc62333a39c5fe97bcbea944ea9d3a6ffcf760ef360d", 11_430_690),
+            "tokenizer_config.json": ("5ba6b467dca0e650db0b32f0a982a5c005cd3802ec81b72f774c4cc7a6f90fc2", 314),
+        },
     ),
     "qwen2.5-coder-1.5b": FetchedEntry(
         name="qwen2.5-coder-1.5b",
@@ -589,6 +597,20 @@ def fetch(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _check_files(path: Path, expected: dict) -> tuple[list, list]:
+    """Check the files of ``path`` against ``{name: (sha256, bytes)}``; delete each that fails. Returns the names
+    that failed (now deleted) and the names missing."""
+    failed, missing = [], []
+    for fname, (sha, size) in expected.items():
+        fpath = path / fname
+        if not fpath.is_file():
+            missing.append(fname)
+        elif fpath.stat().st_size != size or sha256_file(fpath) != sha:
+            fpath.unlink()
+            failed.append(fname)
+    return failed, missing
+
+
 def _rebuild_manifest(entry: FetchedEntry, path: Path, why: str) -> Path:
     """Check every pinned file of a cache folder whose manifest is ``why`` (missing, unreadable); write a new manifest
     when all are intact, else delete only the files that fail their pin and raise a FetchError naming them."""
@@ -597,14 +619,7 @@ def _rebuild_manifest(entry: FetchedEntry, path: Path, why: str) -> Path:
         raise FetchError(f"the manifest of the cached {name} at {path} is {why} and {name} has no pinned sha256s to "
                          f"rebuild it from; nothing was deleted. Run `{fetch_command(name)} --force` to convert it "
                          "again")
-    failed, missing = [], []
-    for fname, (sha, size) in entry.files.items():
-        fpath = path / fname
-        if not fpath.is_file():
-            missing.append(fname)
-        elif fpath.stat().st_size != size or sha256_file(fpath) != sha:
-            fpath.unlink()
-            failed.append(fname)
+    failed, missing = _check_files(path, entry.files)
     if failed or missing:
         what = []
         if failed:
@@ -644,14 +659,7 @@ def verify(name: str, cache_dir=None) -> Path:
         if not path.is_dir() or (why == "missing" and not any(path.iterdir())):
             raise FetchError(f"{name} is not fetched; run `{fetch_command(name)}`")
         return _rebuild_manifest(entry, path, why)
-    failed, missing = [], []
-    for fname, meta in manifest["files"].items():
-        fpath = path / fname
-        if not fpath.is_file():
-            missing.append(fname)
-        elif fpath.stat().st_size != meta["bytes"] or sha256_file(fpath) != meta["sha256"]:
-            fpath.unlink()
-            failed.append(fname)
+    failed, missing = _check_files(path, {f: (m["sha256"], m["bytes"]) for f, m in manifest["files"].items()})
     if failed or missing:
         what = [f"{f} does not match its sha256 in the manifest and was deleted" for f in failed]
         what += [f"{f} is missing" for f in missing]

@@ -258,6 +258,19 @@ def _records_context(folder: Path) -> str:
     return text + "."
 
 
+def _memory_text(mem: dict | None) -> str:
+    """The memory paragraph of a card from ``sanity.json``'s ``memory`` ('' without it)."""
+    if not mem:
+        return ""
+    from ..eval.compare import format_bytes
+
+    return (f"\n\nMemory: {mem['parameters']:,} parameters (tied weights once): "
+            f"{format_bytes(mem['fp32_bytes'])} in fp32, {format_bytes(mem['bf16_bytes'])} in bf16. Peak resident "
+            f"memory of the process after `mmaccel.load` (fp32, checksums included): "
+            f"{format_bytes(mem['peak_rss_after_load_bytes'])} (before: "
+            f"{format_bytes(mem['peak_rss_before_load_bytes'])}).")
+
+
 def write_fetched_card(name: str, out_dir: str | Path | None = None) -> Path:
     """Render the measured sections of a fetched model's card into ``assets/models/NAME/README.md``.
 
@@ -288,6 +301,11 @@ def write_fetched_card(name: str, out_dir: str | Path | None = None) -> Path:
             f"{p['tokens_scored']:,} tokens scored): **{p['perplexity']:.1f}**. Greedy answers through the chat "
             f"template ({s['device']}, {s['dtype']}):\n\n"
             + _fmt_table(["prompt", "answer"], [[g["prompt"], " ".join(g["answer"].split())] for g in s["greedy"]])
+            + (("\n\nGreedy raw completions (no chat template, 12 new tokens):\n\n"
+                + _fmt_table(["prompt", "completion"], [[" ".join(g["prompt"].split()), " ".join(g["answer"].split())]
+                                                        for g in s["completions"]]))
+               if s.get("completions") else "")
+            + _memory_text(s.get("memory"))
             + f"\n\nCommand: `python benchmarks/causal_lm_sanity.py --model {name} --out assets/models/{name}/sanity.json`."
         )
     header = ["method", "length", "strict", "contains", "KV ratio after prefill", "KV bytes after prefill",
