@@ -34,7 +34,6 @@ def app():
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     demo = workbench.build_app("micro-lm", device="cpu")
-    demo.queue(default_concurrency_limit=1)
     demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
                 app_kwargs={"lifespan": workbench.app_lifespan(demo)})
     try:
