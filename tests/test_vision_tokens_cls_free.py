@@ -1,14 +1,15 @@
 """VisionZip, PruMerge and ToMe on towers without a usable [CLS] score: tiny random LLaVA-NeXT (AnyRes crops of a
 CLIP tower), LLaVA-OneVision (SigLIP, no [CLS]), Qwen2-VL and Qwen2.5-VL (windowed), batch 2 with left padding; the
 CLS-free dominance score on a hand-computed case; temporal-tome's word on a still image."""
+import copy
 import math
 
 import pytest
 import torch
 from test_vision_tokens_onevision import _generate, llava_next, onevision  # noqa: F401 - fixtures by name
-from test_vision_tokens_vlm import qwen2vl  # noqa: F401 - fixtures by name
+from test_vision_tokens_vlm import llava, qwen2vl  # noqa: F401 - fixtures by name
 
-from mmaccel.vision_tokens import TemporalToMe, VLMParts, build_method
+from mmaccel.vision_tokens import PruMerge, TemporalToMe, UnsupportedModelError, VisionZip, VLMParts, build_method
 from mmaccel.vision_tokens.adapters import received_attention, tower_score_attention
 from mmaccel.vision_tokens.base import kept_count
 from mmaccel.vision_tokens.prumerge import prumerge_plan
@@ -22,7 +23,7 @@ MODELS = ["next", "onevision", "qwen2vl", "qwen2_5vl"]
 
 
 @pytest.fixture(scope="module")
-def qwen2_5vl(qwen2vl):
+def qwen2_5vl(request):
     """A tiny Qwen2_5_VLForConditionalGeneration (windows of 2 x 2 merged tokens, full attention in block 1) and the
     tiny Qwen2-VL's left-padded batch of 2 images (same ids and patches; 4 x 4 merged tokens: 4 windows per image)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -38,7 +39,7 @@ def qwen2_5vl(qwen2vl):
         image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153,
         attn_implementation="sdpa")
     torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config).eval(), qwen2vl[1]
+    return Qwen2_5_VLForConditionalGeneration(config).eval(), request.getfixturevalue("qwen2vl")[1]
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,59 @@ def test_temporal_tome_on_a_still_image_says_it_keeps_everything(models):
     with pytest.warns(UserWarning, match=r"2 of the 2 clips .* single frames .* all kept"):
         _, _, prefill = _lm_prefill_lengths(model, method, inputs)
     assert prefill == inputs["input_ids"].shape[1] and math.isclose(method.keep_ratio, 0.5)
+
+
+def _dominance_seen(method_cls, model, inputs, **kwargs):
+    """The ``dominance`` scores [N] each grid's plan got under ``method_cls(keep_ratio=0.5, **kwargs)``."""
+    seen = []
+
+    class Spy(method_cls):
+        def plan_image(self, features, grid, info):
+            seen.append(info["dominance"])
+            return super().plan_image(features, grid, info)
+
+    with Spy(keep_ratio=0.5, **kwargs).apply(model), torch.no_grad():
+        model(**inputs)
+    return seen
+
+
+def test_received_score_on_a_cls_tower_is_the_column_mean_of_its_attention(request):
+    """score='received' on LLaVA's CLIP tower: the mean over heads and queries of the attention of the projected
+    layer, as the tower's own eager attention returns it, without the [CLS] column; score='auto' stays [CLS]."""
+    model, _, inputs = request.getfixturevalue("llava")
+    seen = _dominance_seen(VisionZip, model, inputs, score="received")
+    tower = copy.deepcopy(model.model.vision_tower)
+    tower.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = tower(inputs["pixel_values"], output_attentions=True).attentions
+    layer = model.config.vision_feature_layer  # -2: the output of the second-to-last block
+    want = attentions[len(attentions) + 1 + layer - 1].mean(dim=(1, 2))[:, 1:]
+    torch.testing.assert_close(torch.stack(seen), want)
+    cls = _dominance_seen(VisionZip, model, inputs)
+    assert not torch.allclose(torch.stack(cls), want)
+
+
+def test_qwen2_5_window_order_is_undone(qwen2_5vl):
+    """With every block attending over the whole image, the window order is only a permutation of the tokens: the
+    scores per token must not depend on the window size (56: 4 windows per image, reordered; 112: one window)."""
+    model, inputs = qwen2_5vl
+    scores = []
+    for window in (56, 112):
+        config = copy.deepcopy(model.config)
+        config.vision_config.window_size = window
+        config.vision_config.fullatt_block_indexes = [0, 1, 2]
+        twin = type(model)(config).eval()
+        twin.load_state_dict(model.state_dict())
+        scores.append(torch.stack(_dominance_seen(PruMerge, twin, inputs)))
+    torch.testing.assert_close(scores[0], scores[1], atol=1e-6, rtol=1e-5)
+    assert scores[0].std() > 0
+
+
+def test_score_cls_is_refused_where_the_tower_has_none(models):
+    for name in ("onevision", "qwen2vl"):
+        model, _ = models(name)
+        with pytest.raises(UnsupportedModelError, match="no \\[CLS\\] token .* use score='auto' or 'received'"), \
+                VisionZip(score="cls").apply(model):
+            pass
+    with pytest.raises(ValueError, match="score must be one of"):
+        PruMerge(score="attention")

@@ -354,15 +354,23 @@ def _cls_layer(parts: VLMParts) -> int | str:
     return _feature_block(parts)
 
 
-def _score_module(parts: VLMParts) -> tuple[nn.Module, bool] | str:
+#: Where a dominance score comes from: ``"auto"`` ([CLS] attention where the tower has a [CLS] token, else the
+#: attention each token receives), ``"cls"`` or ``"received"`` (:func:`received_attention`, also on a [CLS] tower).
+SCORES = ("auto", "cls", "received")
+
+
+def _score_module(parts: VLMParts, score: str = "auto") -> tuple[nn.Module, bool] | str:
     """The tower attention module whose scores rank the visual tokens, and whether they are [CLS] attention; or why
     there is none.
 
     LLaVA-style and AnyRes towers: the block LLaVA projects (``vision_feature_layer``); [CLS] attention if the
-    embeddings hold a [CLS] token, else the attention each token receives. Qwen2-VL towers: the last block with
-    attention over the whole image (the last of ``vision_config.fullatt_block_indexes`` where the tower has windowed
-    blocks, Qwen2.5-VL; else the last block).
+    embeddings hold a [CLS] token (and ``score`` is not ``"received"``), else the attention each token receives.
+    Qwen2-VL towers: the last block with attention over the whole image (the last of
+    ``vision_config.fullatt_block_indexes`` where the tower has windowed blocks, Qwen2.5-VL; else the last block).
     """
+    has_cls = parts.kind != "qwen2_vl" and _tower_has_cls(parts.tower)
+    if score == "cls" and not has_cls:
+        return "its vision tower has no [CLS] token (read from its embeddings): use score='auto' or 'received'"
     if parts.kind == "qwen2_vl":
         blocks = getattr(held_tower(parts.tower), "blocks", None)
         if not isinstance(blocks, nn.ModuleList) or not len(blocks) or \
@@ -377,7 +385,7 @@ def _score_module(parts: VLMParts) -> tuple[nn.Module, bool] | str:
         return "an AnyRes model without pack_image_features (how the crops' tokens are laid out)"
     layer = vit_layers(parts.tower)[index]
     attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-    if _tower_has_cls(parts.tower):
+    if has_cls and score != "received":
         return attn, True
     if not hasattr(attn, "config"):
         return "its tower has no [CLS] token and its attention modules no config (the received-attention score is " \
@@ -487,17 +495,18 @@ def _attach_cls_capture(parts: VLMParts, state: _RunState, undo: list) -> None:
     _hook(undo, attn, pre, pre=True)
 
 
-def _attach_tower_scores(parts: VLMParts, state: _RunState, undo: list) -> None:
+def _attach_tower_scores(parts: VLMParts, state: _RunState, undo: list, score: str = "auto") -> None:
     """Capture a dominance score and the keys of every visual token the tower encodes, and set
     ``state.tower_scores(grids, media)`` to read them per grid (:func:`_grid_scores`).
 
-    The score is the [CLS] -> patch attention where the tower has a [CLS] token, else :func:`received_attention` at
-    the module :func:`_score_module` picks. AnyRes models: the per-crop scores are laid out as the crops' tokens are,
+    The score is the [CLS] -> patch attention where the tower has a [CLS] token (``score="auto"``), else
+    :func:`received_attention` at the module :func:`_score_module` picks (on a [CLS] tower, the columns of the
+    [CLS] token and any register tokens are dropped). AnyRes models: the per-crop scores are laid out as the crops' tokens are,
     by the model's own ``pack_image_features`` (unpadding and resampling included), whose arguments are recorded per
     call; a Qwen2-VL tower's scores are taken back from its window order and averaged over each merged group of
     patches.
     """
-    attn, is_cls = _score_module(parts)
+    attn, is_cls = _score_module(parts, score)
     calls = state.vision
     if is_cls:
         _attach_cls_capture(parts, state, undo)
@@ -516,7 +525,11 @@ def _attach_tower_scores(parts: VLMParts, state: _RunState, undo: list) -> None:
         _attach_received_capture(attn, lambda s, k: calls["score_chunks"][-1][1].append((s, k))
                                  if calls.get("score_chunks") else None, undo)
     else:
-        _attach_received_capture(attn, lambda s, k: calls.setdefault("score_calls", []).append((s, k)), undo)
+        prefix = 0
+        if _tower_has_cls(parts.tower):
+            prefix = 1 + int(getattr(held_tower(parts.tower).config, "num_register_tokens", 0) or 0)
+        _attach_received_capture(
+            attn, lambda s, k: calls.setdefault("score_calls", []).append((s[:, prefix:], k[:, prefix:])), undo)
     if parts.kind == "anyres":
         _attach_pack_record(parts, state, undo)
     state.tower_scores = lambda grids, media: _grid_scores(parts, state, grids, media)

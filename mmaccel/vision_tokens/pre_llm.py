@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .adapters import (
+    SCORES,
     VLMParts,
     _attach_outer,
     _attach_tower_scores,
@@ -33,7 +34,7 @@ from .plan import TokenPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POSITIONS", "ImageReducer", "PlacedFeatures", "lift_to_sequence"]
+__all__ = ["POSITIONS", "ImageReducer", "PlacedFeatures", "TowerScored", "lift_to_sequence"]
 
 
 def lift_to_sequence(image_mask: torch.Tensor, grids: list[ImageGrid], plans: list[TokenPlan],
@@ -212,7 +213,7 @@ class ImageReducer(VisionTokenMethod):
             return "positions='contiguous' renumbers 1-D position ids (LLaVA-style models); Qwen2-VL's M-RoPE " \
                    "positions are 3-D: use positions='original'"
         if self.needs_tower_scores:
-            reason = _score_module(parts)
+            reason = _score_module(parts, getattr(self, "score", "auto"))
             if isinstance(reason, str):
                 return reason
         return None
@@ -222,7 +223,7 @@ class ImageReducer(VisionTokenMethod):
         state = _RunState()
         _attach_outer(parts, state, undo)
         if self.needs_tower_scores:
-            _attach_tower_scores(parts, state, undo)
+            _attach_tower_scores(parts, state, undo, getattr(self, "score", "auto"))
 
         def lm_pre(module, args, kwargs):
             embeds = kwargs.get("inputs_embeds")
@@ -293,6 +294,33 @@ class ImageReducer(VisionTokenMethod):
                           "kept_positions": plan.index.tolist()}
         logger.debug("%s: %d -> %d visual tokens", self.name, sum(before), sum(after))
         return plan
+
+
+@dataclass
+class TowerScored(ImageReducer):
+    """A pre-LLM reduction that ranks each image's tokens by a dominance score from the vision tower
+    (``info["dominance"]`` [N], ``info["keys"]`` [N, d]; see :class:`ImageReducer`).
+
+    Parameters
+    ----------
+    score : {"auto", "cls", "received"}
+        ``"auto"``: the [CLS] -> patch attention where the tower's embeddings hold a [CLS] token, else the attention
+        each token receives, averaged over heads and queries (:func:`~.adapters.received_attention`); ``"cls"``
+        refuses a tower without [CLS]; ``"received"`` uses received attention on any tower (to compare the two).
+
+    Raises
+    ------
+    ValueError
+        If ``score`` is not one of :data:`~.adapters.SCORES`.
+    """
+
+    needs_tower_scores: ClassVar[bool] = True
+    score: str = field(default="auto", kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
 
 class PlacedFeatures:

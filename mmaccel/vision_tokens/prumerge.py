@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .base import ImageGrid, kept_count
 from .plan import TokenPlan
-from .pre_llm import ImageReducer
+from .pre_llm import TowerScored
 
 __all__ = ["PruMerge", "iqr_outliers", "prumerge_plan"]
 
@@ -67,7 +67,7 @@ def prumerge_plan(dominance: torch.Tensor, keys: torch.Tensor, keep: int, fence:
 
 
 @dataclass
-class PruMerge(ImageReducer):
+class PruMerge(TowerScored):
     """LLaVA-PruMerge (Shang et al., "LLaVA-PruMerge: Adaptive Token Reduction for Efficient Large Multimodal
     Models", 2024, arXiv 2403.15388), between the projector and the LLM, with a fixed budget.
 
@@ -92,11 +92,14 @@ class PruMerge(ImageReducer):
         Fraction of visual tokens kept, in (0, 1].
     fence : float
         IQR multiplier (1.5 in the paper).
+    score : {"auto", "cls", "received"}
+        Source of the dominance score (:class:`~.pre_llm.TowerScored`); ``"received"`` on a [CLS] tower compares
+        the CLS-free score with [CLS] attention.
 
     Raises
     ------
     ValueError
-        If ``keep_ratio`` is outside (0, 1] or ``fence < 0``.
+        If ``score`` is not auto/cls/received, ``keep_ratio`` is outside (0, 1] or ``fence < 0``.
     UnsupportedModelError
         From ``apply`` on a model that is not a supported VLM (:class:`~.adapters.VLMParts`), or whose tower's
         scored layer cannot be found (a list ``vision_feature_layer``).
@@ -106,7 +109,6 @@ class PruMerge(ImageReducer):
 
     name: ClassVar[str] = "prumerge"
     paper: ClassVar[str] = "Shang et al., 2024, arXiv 2403.15388"
-    needs_tower_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .base import ImageGrid, kept_count
 from .plan import TokenPlan
-from .pre_llm import ImageReducer
+from .pre_llm import TowerScored
 
 __all__ = ["VisionZip", "visionzip_plan"]
 
@@ -63,7 +63,7 @@ def visionzip_plan(dominance: torch.Tensor, keys: torch.Tensor, keep: int, conte
 
 
 @dataclass
-class VisionZip(ImageReducer):
+class VisionZip(TowerScored):
     """VisionZip (Yang et al., "VisionZip: Longer is Better but Not Necessary in Vision Language Models", 2024,
     arXiv 2412.04467), between the projector and the LLM.
 
@@ -90,11 +90,14 @@ class VisionZip(ImageReducer):
         Fraction of visual tokens kept, in (0, 1]. VisionZip's 64 of 576 is ``keep_ratio=0.111``.
     contextual_ratio : float
         Share of the kept tokens that are contextual, in [0, 1) (VisionZip's default is 10 of 64).
+    score : {"auto", "cls", "received"}
+        Source of the dominance score (:class:`~.pre_llm.TowerScored`); ``"received"`` on a [CLS] tower compares
+        the CLS-free score with [CLS] attention.
 
     Raises
     ------
     ValueError
-        If ``keep_ratio`` is outside (0, 1] or ``contextual_ratio`` outside [0, 1).
+        If ``score`` is not auto/cls/received, ``keep_ratio`` is outside (0, 1] or ``contextual_ratio`` outside [0, 1).
     UnsupportedModelError
         From ``apply`` on a model that is not a supported VLM (:class:`~.adapters.VLMParts`), or whose tower's
         scored layer cannot be found (a list ``vision_feature_layer``).
@@ -104,7 +107,6 @@ class VisionZip(ImageReducer):
 
     name: ClassVar[str] = "visionzip"
     paper: ClassVar[str] = "Yang et al., 2024, arXiv 2412.04467"
-    needs_tower_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
