@@ -9,6 +9,9 @@ Commands
     A length x depth sweep; writes ``results.jsonl``, ``summary.json`` and a heatmap per method. Under
     ``accelerate launch --num_processes N`` the cells are sharded over the processes and merged by the main one
     (:func:`mmaccel.eval.niah.run_niah`); ``--device auto`` then gives each process its own device.
+``mmaccel ruler --model M --methods ... --tasks all --lengths 4096 --n 10 --mode aware|agnostic|both --out DIR``
+    RULER-style tasks (:mod:`mmaccel.data.ruler`) in both query modes (:mod:`mmaccel.eval.ruler`): ``results.jsonl``,
+    ``summary.json`` (cells with accuracy and ratios to ``full``), heatmaps and a Pareto plot.
 ``mmaccel compare --task vqa --image FILE --question Q`` / ``--task video-qa --video FILE --question Q``
     The same table for a vision-language model (default ``smol-llava``) on one image or a video's frames (one
     ``<image>`` per frame); methods are ``VISION[+KV]`` specs or ``none`` (:mod:`mmaccel.eval.visual`), and a second
@@ -242,6 +245,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _add_sweep_args(p)
     p.set_defaults(func=cmd_niah)
+
+    p = sub.add_parser("ruler", help="RULER-style tasks x methods in both query modes: results.jsonl, summary.json, "
+                                     "heatmaps, Pareto plot")
+    _add_model_args(p)
+    p.add_argument("--methods", nargs="+", type=_method_spec, default=["full"], metavar="SPEC",
+                   help="KV-cache method specs ('full' is always run: the ratios are to it)")
+    p.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
+                   help="all (the 11 synthetic tasks; qa_1/qa_2 too with --qa-file), niah, or task names")
+    p.add_argument("--lengths", nargs="+", type=_positive_int, default=[4096], metavar="N",
+                   help="prompt budgets in tokens (default 4096)")
+    p.add_argument("--n", type=_positive_int, default=10, help="samples per task and length (default 10)")
+    p.add_argument("--mode", choices=["aware", "agnostic", "both"], default="both",
+                   help="aware: the question inside the compressed prompt; agnostic: compress the context first, "
+                        "then ask (default both)")
+    p.add_argument("--haystack", default=None, metavar="FILE", help="essay haystack text file (default: built-in prose)")
+    p.add_argument("--qa-file", default=None, metavar="FILE",
+                   help="local SQuAD or HotpotQA JSON for qa_1/qa_2 (not downloaded)")
+    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                   help="wrap prompts in the tokenizer's chat template (auto: when it has one; default auto)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="tokens generated per question (default: each task's RULER length)")
+    p.add_argument("--warmup", type=_non_negative_int, default=1, help="unrecorded warm-up runs per method (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/ruler", help="output folder (default runs/ruler)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_sweep_args(p)
+    p.set_defaults(func=cmd_ruler)
 
     from .eval import video_niah as vn
     from .eval import vision_sweep as vs
@@ -643,6 +673,38 @@ def cmd_niah(args) -> int:
     if not main_process:
         return 0
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json and {len(result.heatmaps)} heatmap(s)")
+    return 0
+
+
+def cmd_ruler(args) -> int:
+    """``mmaccel ruler``: RULER-style tasks x methods x lengths in the query modes asked, on the sweep harness
+    (:func:`mmaccel.eval.ruler.run_ruler`); prints the table, writes ``--out``."""
+    from .data.haystack import resolve_chat_template
+    from .data.ruler import load_qa_file, resolve_tasks
+    from .eval.niah import check_haystack_file
+    from .eval.ruler import build_samples, check_agnostic, resolve_modes, ruler_table, run_ruler, with_full
+    from .eval.sweep import check_out_dir
+
+    methods = with_full(args.methods)
+    check_agnostic(methods, resolve_modes(args.mode))
+    qa = load_qa_file(args.qa_file) if args.qa_file else None
+    tasks = resolve_tasks(args.tasks, qa_available=qa is not None)
+    haystack = check_haystack_file(args.haystack).read_text(encoding="utf-8", errors="replace") if args.haystack \
+        else None
+    check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads or is written
+    tokenizer = _load_tokenizer(args)
+    chat = resolve_chat_template(tokenizer, args.chat_template)
+    build_samples(tokenizer, tasks, args.lengths, args.n, seed=args.seed, haystack=haystack, chat_template=chat,
+                  qa=qa)  # every prompt is valid before the model loads
+    model, tokenizer = _load_model(args)
+    result = run_ruler(
+        model, tokenizer, methods, tasks, args.lengths, args.n, mode=args.mode, seed=args.seed, haystack=haystack,
+        qa_file=args.qa_file, chat_template=chat, max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+        out_dir=args.out, resume=args.resume, overwrite=args.overwrite, shared_prefill=args.shared_prefill,
+        progress=False if args.no_progress else None, report=lambda s: print(ruler_table(s), flush=True),
+    )
+    print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json ({len(result.summary['cells'])} cells), heatmaps "
+          "and pareto.png")
     return 0
 
 

@@ -28,7 +28,7 @@ def test_help_lists_every_command(capsys):
     assert rc == 0
     listed = [line.split()[0] for line in out.split("positional arguments:")[1].split("options:")[0].splitlines()
               if line.startswith("    ") and not line.startswith("     ")]
-    assert listed == ["compare", "niah", "vision-sweep", "video-niah", "tome-sweep", "app", "niah-merge", "zoo",
+    assert listed == ["compare", "niah", "ruler", "vision-sweep", "video-niah", "tome-sweep", "app", "niah-merge", "zoo",
                       "kernel-bench", "spec-bench"]
 
 

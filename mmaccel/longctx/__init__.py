@@ -26,6 +26,7 @@ from .bilevel import BiLevel
 from .chunked import Chunked
 from .chunked_ffn import ChunkedFeedForward
 from .chunkkv import ChunkKV
+from .compress import CompressedContext, answer, compress, compress_shared
 from .expected_attention import ExpectedAttention
 from .full import FullAttention
 from .h2o import H2O
@@ -106,5 +107,9 @@ __all__ = [
     "snapkv_keep_indices",
     "snapkv_scores",
     "kv_cache_bytes",
+    "compress",
+    "compress_shared",
+    "answer",
+    "CompressedContext",
     "bookkeeping_bytes",
 ]
