@@ -52,7 +52,8 @@ def _top(scores, keep):
 
 def test_registered_with_round_tripping_specs():
     assert {"keydiff", "expected_attention", "kvzip"} <= set(METHODS)
-    for spec in [*COMPRESSING.values(), *UNBOUNDED.values(), "kvzip:ratio=0.25", "expected_attention:window=8:vnorm=False"]:
+    extra = ["kvzip:ratio=0.25", "expected_attention:window=8:vnorm=False"]
+    for spec in [*COMPRESSING.values(), *UNBOUNDED.values(), *extra]:
         method = build_method(spec)
         assert build_method(method.spec) == method
 
@@ -181,7 +182,8 @@ def rotate_matrix():
 @pytest.mark.parametrize("chunk", [40, 16])
 def test_kvzip_scores_are_the_max_attention_of_the_reconstruction(eager, chunk):
     """Reference: one eager forward of [context, repeat of chunk c (after the previous chunk's last 8 tokens)]; each
-    context slot of chunk c scores the max attention any repeat query of its GQA group pays it; sinks kept."""
+    context slot of chunk c scores the max attention any repeat query of its GQA group pays it, normalised over the
+    sinks, chunk c and the repeat; sinks kept."""
     ids = random_prompt(40, seed=6)
     budget = 10
     method = KVzip(budget=budget, chunk=chunk, sink=4)
@@ -193,7 +195,10 @@ def test_kvzip_scores_are_the_max_attention_of_the_reconstruction(eager, chunk):
         repeat = torch.cat([ids[:, max(0, start - 8): start], ids[:, start:end]], dim=-1) if start else ids[:, :end]
         attentions = eager(torch.cat([ids, repeat], dim=-1), output_attentions=True).attentions
         for i, att in enumerate(attentions):  # [1, Hq, 40 + r, 40 + r]
-            column = att[0, :, 40:, start:end].amax(dim=1)  # [Hq, end - start]
+            rows = att[0, :, 40:]  # the repeat's queries; renormalised over sinks + chunk + repeat (kvpress's softmax)
+            sinks = min(4, start)
+            rows = rows / (rows[..., :sinks].sum(-1) + rows[..., start:end].sum(-1) + rows[..., 40:].sum(-1))[..., None]
+            column = rows[..., start:end].amax(dim=1)  # [Hq, end - start]
             reference[i, :, start:end] = column.view(HKV, HQ // HKV, -1).amax(dim=1)
     reference[..., :4] = float("inf")
     for i, layer in enumerate(cache.layers):

@@ -79,8 +79,7 @@ def expected_attention_scores(
     torch.Tensor
         [B, Hq, S] float32 probabilities (each row sums to 1 over the candidates).
     """
-    B, Hkv, S, D = keys.shape
-    group = mean.shape[1] // Hkv
+    group = mean.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(group, dim=1)  # [B, Hq, S, D]
     logits = scaling * torch.einsum("bhsd,bhd->bhs", k, mean.float())
     if cov is not None:
@@ -152,7 +151,8 @@ class ExpectedAttention(KVScorer):
         _check_int(self.method_name, "sink", self.sink, 0, "e.g. expected_attention:sink=4")
         for name in ("covariance", "vnorm"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{self.method_name}: {name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
+                    f"{self.method_name}: {name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
             raise ValueError(f"{self.method_name}: epsilon must be a number >= 0, got {self.epsilon!r}")
 

@@ -96,7 +96,7 @@ class KVzipCache(KVMethodCache):
         (first instruction, next instruction, chat suffix) token ids; ``None`` reconstructs with no instruction.
     """
 
-    def __init__(self, model: torch.nn.Module, method: "KVzip", prompt_ids):
+    def __init__(self, model: torch.nn.Module, method: KVzip, prompt_ids):
         self.prompt_ids = prompt_ids
         self.unscored = 0  # tokens the prefill steps appended since the last reconstruction
         self._attention: dict[int, torch.nn.Module] = {}
@@ -147,11 +147,9 @@ class KVzipCache(KVMethodCache):
                 for i, layer in enumerate(self.layers):
                     scratch.layers[i] = _PrefixLayer(layer) if i in self._attention else copy.deepcopy(layer)
                 end = min(start + method.chunk, n)
-                held = {i: self.layers[i].held for i in self._attention}
-                columns = self._score_forward(model, scratch, self._repeat_ids(context, start, end), held)
-                for i, column in columns.items():  # [B, Hkv, held]: keep this chunk's own slots
-                    lo = held[i] - n
-                    part = column[..., lo + start: lo + end]
+                slots = {i: self._chunk_slots(self.layers[i], n, start, end) for i in self._attention}
+                columns = self._score_forward(model, scratch, self._repeat_ids(context, start, end), slots)
+                for i, part in columns.items():  # [B, Hkv, end - start]
                     scores[i] = part if scores[i] is None else torch.cat([scores[i], part], dim=-1)
         for i, module in self._attention.items():
             layer = self.layers[i]
@@ -172,10 +170,18 @@ class KVzipCache(KVMethodCache):
         pieces += [context.new_tensor(list(suffix)).expand(context.shape[0], -1), context[:, start:end]]
         return torch.cat(pieces, dim=-1)
 
-    def _score_forward(self, model, scratch, ids, held: dict[int, int]) -> dict[int, torch.Tensor]:
-        """One reconstruction forward; per hooked layer, [B, Hkv, held] the most attention each held slot gets from
-        any reconstruction query of the KV head's GQA group (the softmax runs over every held slot and the causal
-        part of the reconstruction)."""
+    def _chunk_slots(self, layer: EvictingLayer, n: int, start: int, end: int) -> tuple[int, int, int]:
+        """(sinks, first, last): held slots ``first:last`` are context tokens ``start:end`` of the last ``n``; the
+        first ``sinks`` held slots are sink positions before them."""
+        first = layer.held - n + start
+        sinks = int((layer.positions[0, 0] < self.method.sink).sum()) if layer.positions.numel() else 0
+        return min(sinks, first), first, layer.held - n + end
+
+    def _score_forward(self, model, scratch, ids, slots: dict[int, tuple[int, int, int]]) -> dict[int, torch.Tensor]:
+        """One reconstruction forward; per hooked layer, [B, Hkv, last - first] the most attention each slot of the
+        chunk gets from any reconstruction query of its KV head's GQA group. The softmax runs over the sinks, the
+        chunk's own slots and the causal part of the reconstruction (as kvpress's), so that chunks, and the slots
+        scored by an earlier prefill forward, are scored on one scale whatever else is held."""
         out: dict[int, torch.Tensor] = {}
 
         def score(module, args, kwargs, output):
@@ -183,11 +189,13 @@ class KVzipCache(KVMethodCache):
                 return
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             layer = scratch.layers[module.layer_idx]
+            sinks, first, last = slots[module.layer_idx]
+            keys = layer.attended
+            keys = torch.cat([keys[:, :, :sinks], keys[:, :, first:last], keys[:, :, layer.held:]], dim=2)
             queries = window_queries(module, hidden, kwargs.get("position_embeddings"), hidden.shape[1])
-            column = attention_column_scores(queries, layer.attended, causal=True, reduce="max",
+            column = attention_column_scores(queries, keys, causal=True, reduce="max",
                                              scaling=getattr(module, "scaling", None))
-            out[module.layer_idx] = query_group_scores(column[..., : held[module.layer_idx]], layer.keys.shape[1],
-                                                       "max")
+            out[module.layer_idx] = query_group_scores(column[..., sinks: sinks + last - first], keys.shape[1], "max")
             layer.attended = None
 
         handles = [m.register_forward_hook(score, with_kwargs=True) for m in self._attention.values()]
@@ -207,13 +215,13 @@ class KVzip(KVScorer):
     over the held K/V, "Repeat the previous context:" (and, for a chat model, the opening of the assistant's turn)
     followed by the forward's tokens again, ``chunk`` tokens at a time (a later chunk's instruction ends with the
     last ``overlap`` tokens of the chunk before). Each held slot scores the largest attention probability any
-    reconstruction query of its KV head's GQA group pays it (softmax over every held slot, exactly; kvpress
-    normalises over the chunk's slots only), from the reconstruction of the chunk that holds it; the first ``sink``
-    positions are always kept. Then each layer keeps its ``budget`` best slots per row and KV head, physically:
-    the evicted K/V are freed (a uniform per-layer, per-head budget, so ``kv_cache_bytes`` is the ratio asked; the
-    paper's and kvpress's head- and layer-wise budgets are not built, and kvpress masks instead of evicting).
-    Query-agnostic: the scores never see a question, so a compressed context serves any later one. Decode tokens are
-    appended.
+    reconstruction query of its KV head's GQA group pays it in the reconstruction of the chunk that holds it (the
+    softmax normalised over the sinks, that chunk's slots and the reconstruction, as kvpress does, so that every
+    chunk and every prefill forward is scored on one scale); the first ``sink`` positions are always kept. Then each
+    layer keeps its ``budget`` best slots per row and KV head, physically: the evicted K/V are freed (a uniform
+    per-layer, per-head budget, so ``kv_cache_bytes`` is the ratio asked; the paper's and kvpress's head- and
+    layer-wise budgets are not built, and kvpress masks instead of evicting). Query-agnostic: the scores never see
+    a question, so a compressed context serves any later one. Decode tokens are appended.
 
     Costs: one reconstruction forward per chunk, about the prefill's compute again (the reconstruction is as long as
     the context), and transiently one layer's [B, Hkv, held + chunk, D] keys and the scores of one chunk.
@@ -281,7 +289,8 @@ class KVzip(KVScorer):
         if step.phase != "prefill":
             return
         if not isinstance(step.cache, KVzipCache):
-            raise ValueError("kvzip needs its own cache (KVzip.make_cache); it cannot be run by another method's")
+            raise ValueError(  # noqa: TRY004 - a misuse reported like the other run-time refusals
+                "kvzip needs its own cache (KVzip.make_cache); it cannot be run by another method's")
         step.layer.add_slot_state(_STATE, fill=float("inf"))
         step.layer.target = self.layer_budget(step)
         step.layer.prefill_length = step.layer.cumulative_length
