@@ -9,7 +9,15 @@ import torch
 from test_vision_tokens_onevision import _generate, llava_next, onevision  # noqa: F401 - fixtures by name
 from test_vision_tokens_vlm import llava, qwen2vl  # noqa: F401 - fixtures by name
 
-from mmaccel.vision_tokens import PruMerge, TemporalToMe, UnsupportedModelError, VisionZip, VLMParts, build_method
+from mmaccel.vision_tokens import (
+    PruMerge,
+    TemporalToMe,
+    UnsupportedModelError,
+    VisionZip,
+    VLMParts,
+    adapters,
+    build_method,
+)
 from mmaccel.vision_tokens.adapters import received_attention, tower_score_attention
 from mmaccel.vision_tokens.base import kept_count
 from mmaccel.vision_tokens.prumerge import prumerge_plan
@@ -109,7 +117,7 @@ def test_received_attention_ranks_the_most_attended_token_first():
     assert 2 in prumerge_plan(got[0], keys, keep=2).index[0].tolist()
 
 
-def test_tower_score_attention_records_the_columns_and_returns_the_modules_own_output():
+def test_tower_score_attention_records_the_columns_and_returns_the_modules_own_output(monkeypatch):
     """Queries that all point at key 1: the recorded score ranks key 1 first; the output equals SDPA's, and the
     eager form (no implementation recorded) gives the same output from the same probabilities."""
     torch.manual_seed(0)
@@ -129,9 +137,11 @@ def test_tower_score_attention_records_the_columns_and_returns_the_modules_own_o
     torch.testing.assert_close(scores, probs.mean(dim=(1, 2)))
     torch.testing.assert_close(keys, k.mean(dim=1))
     assert scores.argmax(dim=-1).tolist() == [1, 1]
-    module._mmaccel_tower_scores = (None, "eager")
+    module._mmaccel_tower_scores = (lambda s, keys: seen.append((s, keys)), "eager")
+    monkeypatch.setattr(adapters, "_QUERY_CHUNK", 2)  # 5 queries in chunks of 2, 2 and 1
     eager, _ = tower_score_attention(module, q, k, v, None, scaling=8 ** -0.5)
     torch.testing.assert_close(eager, want)
+    torch.testing.assert_close(seen[1][0], scores)
 
 
 def test_tome_plan_keeps_exactly_keep_tokens_and_merges_the_most_similar():

@@ -324,6 +324,7 @@ def _even_rows(keep: torch.Tensor, padding: torch.Tensor | None, spare: torch.Te
 #: key receives (:func:`tower_score_attention`); set on the config copy of one tower attention module only.
 SCORE_ATTENTION = "mmaccel_tower_scores"
 _SCORE_ATTR = "_mmaccel_tower_scores"
+_QUERY_CHUNK = 256  # queries per softmax in :func:`tower_score_attention`
 
 
 def _tower_has_cls(tower: nn.Module) -> bool:
@@ -420,7 +421,8 @@ def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """The attention function (``AttentionInterface``) of the one scored tower module: softmax attention that
     hands :func:`received_attention` [B, Nk] and the keys (mean over heads, [B, Nk, d], after the tower's RoPE if
     any) to the module's recorder, then returns the output of the module's own implementation (eager: computed from
-    the same probabilities; other implementations: theirs).
+    the same probabilities, with no attention weights returned; other implementations: theirs). The probabilities
+    are computed 256 queries at a time (float32), so the temporaries stay [B, H, 256, Nk].
 
     ``query`` [B, H, Nq, d], ``key``/``value`` [B, H, Nk, d]. A Qwen2-VL tower calls it once per image (per window
     in windowed blocks): the score is the attention received within that block of tokens.
@@ -435,16 +437,26 @@ def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError("the tower's received-attention score needs sdpa or eager attention in the vision tower, "
                          "not flash attention: load the model with attn_implementation='sdpa'")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    logits = (query.float() @ key.float().transpose(-1, -2)) * scale
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[-2]]
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
-    probs = logits.softmax(dim=-1)
+    batch, heads, n_q, _ = query.shape
+    eager = original in (None, "eager", SCORE_ATTENTION)
+    keys_t = key.float().transpose(-1, -2)
+    received = torch.zeros(batch, key.shape[-2], device=query.device)
+    outs = []
+    for start in range(0, n_q, _QUERY_CHUNK):  # softmax is per query: chunks bound the [B, H, q, Nk] temporaries
+        logits = (query[:, :, start: start + _QUERY_CHUNK].float() @ keys_t) * scale
+        if attention_mask is not None:
+            mask = attention_mask[..., : key.shape[-2]]
+            if mask.dim() == 4 and mask.shape[-2] == n_q:
+                mask = mask[:, :, start: start + _QUERY_CHUNK]
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+        probs = logits.softmax(dim=-1)
+        received += probs.sum(dim=(1, 2))
+        if eager:
+            outs.append(probs.to(value.dtype) @ value)
     if record is not None:
-        record(received_attention(probs), key.float().mean(dim=1))
-    if original in (None, "eager", SCORE_ATTENTION):
-        out = probs.to(value.dtype) @ value
-        return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
+        record(received / (heads * n_q), key.float().mean(dim=1))  # = received_attention(all probabilities)
+    if eager:
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[original](module, query, key, value, attention_mask, scaling=scaling,
