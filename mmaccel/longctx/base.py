@@ -255,11 +255,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def window_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int):
-    """Recompute the post-RoPE queries of the last ``window`` tokens of an attention module's input.
+def project_heads(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int,
+                  which: str = "q") -> torch.Tensor:
+    """Recompute the post-RoPE queries (``which="q"``) or keys (``"k"``) of the last ``window`` tokens of an attention
+    module's input, as the module computes them, reading the variant from the module (never from a model name):
 
-    Works for attention modules with ``q_proj``, ``head_dim`` and an optional ``q_norm`` (Llama, Mistral, Qwen2/3,
-    ...), with full-dimension RoPE in the rotate-half convention.
+    - separate ``q_proj``/``k_proj``, or one fused ``qkv_proj`` (Phi-3) split at ``num_attention_heads * head_dim``
+      and ``num_key_value_heads * head_dim`` (read from the module's config);
+    - an optional ``q_norm``/``k_norm`` per head (Qwen3, Gemma 3) or over the whole projection (OLMo2: its weight
+      spans ``heads * head_dim``);
+    - RoPE in the rotate-half convention on the first ``rotary_dim = cos.shape[-1]`` dimensions (partial RoPE, as
+      Phi-3 and GPT-NeoX apply it), or none on a layer whose module has ``use_rope`` false (SmolLM3's
+      ``no_rope_layers``).
 
     Parameters
     ----------
@@ -268,35 +275,93 @@ def window_queries(module: torch.nn.Module, hidden_states: torch.Tensor, positio
     hidden_states : torch.Tensor
         [B, Lq, hidden] the attention input (after the input layer norm).
     position_embeddings : tuple of torch.Tensor
-        ``(cos, sin)``, each [B or 1, Lq, D], as the model passed them to the module.
+        ``(cos, sin)``, each [B or 1, Lq, rotary_dim], as the model passed them to the module.
     window : int
-        Number of trailing queries, ``1 <= window <= Lq``.
+        Number of trailing tokens, ``1 <= window <= Lq``.
+    which : {"q", "k"}
 
     Returns
     -------
     torch.Tensor
-        [B, Hq, window, D] queries with RoPE applied, in the model's dtype.
+        [B, H, window, D] (H = query or key/value heads), in the model's dtype.
 
     Raises
     ------
     ValueError
-        If the module has no ``q_proj``/``head_dim`` or the RoPE does not cover the full head dimension.
+        If the module has neither ``q_proj`` nor ``qkv_proj`` or no ``head_dim`` (e.g. GPT-NeoX's fused
+        ``query_key_value`` with ``head_size``), got no ``position_embeddings``, or the rotary dimension exceeds
+        ``head_dim``. A convention this function does not know (interleaved RoPE) is caught by
+        :meth:`LayerStep.queries`, which checks the recomputed keys against the cached ones.
     """
-    if not hasattr(module, "q_proj") or not hasattr(module, "head_dim") or position_embeddings is None:
+    D = getattr(module, "head_dim", None)
+    fused = getattr(module, "qkv_proj", None)
+    proj = getattr(module, f"{which}_proj", None)
+    if D is None or (proj is None and fused is None) or position_embeddings is None:
         raise ValueError(
-            f"{type(module).__name__} has no q_proj/head_dim or got no position_embeddings; query-scored KV methods "
-            "need a Llama-style attention module"
+            f"{type(module).__name__} has no q_proj (or fused qkv_proj) and head_dim, or got no position_embeddings; "
+            "query-scored KV methods need a Llama-style attention module (use streaming or knorm with this model)"
         )
-    B = hidden_states.shape[0]
-    q = module.q_proj(hidden_states[:, -window:]).view(B, window, -1, module.head_dim)
-    if getattr(module, "q_norm", None) is not None:
-        q = module.q_norm(q)
-    q = q.transpose(1, 2)
+    h = hidden_states[:, -window:]
+    B = h.shape[0]
+    if proj is not None:
+        x = proj(h)
+    else:
+        config = module.config
+        nq, nk = config.num_attention_heads * D, config.num_key_value_heads * D
+        x = fused(h)
+        x = x[..., :nq] if which == "q" else x[..., nq:nq + nk]
+    norm = getattr(module, f"{which}_norm", None)
+    whole = norm is not None and getattr(getattr(norm, "weight", None), "shape", (D,))[-1] == x.shape[-1] != D
+    if whole:
+        x = norm(x)  # OLMo2: one norm over every head of the projection
+    x = x.view(B, window, -1, D)
+    if norm is not None and not whole:
+        x = norm(x)
+    x = x.transpose(1, 2)
+    if not getattr(module, "use_rope", True):  # SmolLM3's no-RoPE layers
+        return x
     cos, sin = position_embeddings
-    if cos.shape[-1] != module.head_dim:
-        raise ValueError(f"partial RoPE (rotary dim {cos.shape[-1]} < head_dim {module.head_dim}) is not supported")
-    cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
-    return q * cos + rotate_half(q) * sin
+    rot = cos.shape[-1]
+    if rot > D:
+        raise ValueError(f"rotary dim {rot} > head_dim {D}: an attention layout the query recomputation does not know")
+    cos, sin = cos[:, -window:].unsqueeze(1).to(x.dtype), sin[:, -window:].unsqueeze(1).to(x.dtype)
+    if rot == D:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]  # partial RoPE: the first rot dims rotate, the rest pass
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def window_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int):
+    """[B, Hq, window, D] post-RoPE queries of the last ``window`` tokens: :func:`project_heads` with ``which="q"``
+    (see it for the attention variants handled and the errors)."""
+    return project_heads(module, hidden_states, position_embeddings, window, "q")
+
+
+def check_recomputed_keys(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
+                          cached_keys: torch.Tensor, owner: str = "query-scored KV methods") -> None:
+    """Check that :func:`project_heads` reproduces the keys the model cached for this forward, so that the recomputed
+    queries (same projection, norm and RoPE path) are the model's too.
+
+    Parameters
+    ----------
+    cached_keys : torch.Tensor
+        [B, Hkv, w, D] the keys the model computed for the last ``w`` tokens of ``hidden_states``.
+
+    Raises
+    ------
+    ValueError
+        If they differ by more than 1e-2 of their magnitude (an attention variant the recomputation does not know,
+        e.g. interleaved RoPE), naming the layer, the gap and the fix.
+    """
+    w = int(cached_keys.shape[-2])
+    keys = project_heads(module, hidden_states, position_embeddings, w, "k").to(cached_keys.dtype)
+    gap = float((keys - cached_keys).abs().max()) if keys.shape == cached_keys.shape else float("inf")
+    if not gap <= 1e-2 * float(cached_keys.abs().max()) + 1e-5:
+        raise ValueError(
+            f"{owner}: cannot recompute layer {getattr(module, 'layer_idx', '?')}'s queries for "
+            f"{type(module).__name__} (recomputed keys differ from the cached ones by {gap:.3g}: an attention layout "
+            "such as interleaved RoPE that mmaccel does not know); use a method that scores keys only (streaming, knorm)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------- cache layer
@@ -527,9 +592,15 @@ class LayerStep:
         """[B, Hq, w, D] post-RoPE queries of this forward's last ``w = min(window, q)`` tokens (all by default).
 
         Recomputed once per step from the module input (:func:`window_queries`), so SDPA/flash models need no
-        attention weights.
+        attention weights. The first call per layer checks the recomputation against the keys the model cached
+        (:func:`check_recomputed_keys`; ``ValueError`` for an attention layout it does not reproduce).
         """
         w = self.query_length if window is None else max(1, min(int(window), self.query_length))
+        checked = self.cache.checked_projections
+        if self.layer_idx not in checked:  # once per layer: the recomputation reproduces the model's own keys
+            check_recomputed_keys(self.module, self.hidden_states, self.position_embeddings,
+                                  self.layer.keys[..., -w:, :], getattr(self.cache.method, "name", "kv-method"))
+            checked.add(self.layer_idx)
         if w not in self._queries:
             self._queries[w] = window_queries(self.module, self.hidden_states, self.position_embeddings, w)
         return self._queries[w]
@@ -565,7 +636,9 @@ class KVMethodCache(DynamicCache):
     -----
     The hooks are per-instance forward hooks (``with_kwargs=True``) on the decoder's self-attention modules found by
     :func:`mmaccel.kernels.hf.attention_modules`, plus one ``always_call`` hook on ``model`` that closes the cache if a
-    forward with it raises. They are removed by :meth:`close` (or ``with cache:``), on such an error, and when the cache
+    forward with it raises; a forward pre-hook per module fits a 4-D mask to that layer's own length
+    (:func:`fit_layer_mask`, for methods with ``per_layer_lengths`` under eager attention). Sliding-window layers keep transformers'
+    own class and are left alone; a model with only sliding-window layers is refused (:func:`no_method_layers_error`). They are removed by :meth:`close` (or ``with cache:``), on such an error, and when the cache
     is garbage-collected (they hold only a weak reference to it). A hook ignores forwards with another cache.
     """
 
@@ -578,6 +651,7 @@ class KVMethodCache(DynamicCache):
         self.method = method
         self.speculative = speculative
         self._prefilled: set[int] = set()
+        self.checked_projections: set[int] = set()  # layers whose query recomputation was checked
         self.warnings: list[str] = []
         self._hooks: list = []
         if method.uses_hooks and attach:
@@ -598,11 +672,19 @@ class KVMethodCache(DynamicCache):
         modules = {i: m for i, m in attention_modules(model).items() if
                    i < len(self.layers) and isinstance(self.layers[i], EvictingLayer)}
         if not modules:
-            raise ValueError(
-                f"found no self-attention modules (with layer_idx and head_dim) in {type(model).__name__}; the "
-                f"{getattr(self.method, 'name', 'kv')} KV-cache method needs a transformers decoder"
-            )
+            raise no_method_layers_error(model, self, getattr(self.method, "name", "kv"))
         ref = weakref.ref(self)
+
+        def fit_mask(module, args, kwargs):
+            cache = ref()
+            if cache is None or hooked_cache(kwargs) is not cache:
+                return None
+            mask = kwargs.get("attention_mask")
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            fitted = fit_layer_mask(mask, cache.layers[module.layer_idx].held, int(hidden.shape[1]))
+            if fitted is mask:
+                return None
+            return args, {**kwargs, "attention_mask": fitted}
 
         def after_attention(module, args, kwargs, output):
             cache = ref()
@@ -622,7 +704,10 @@ class KVMethodCache(DynamicCache):
             if cache is not None and output is None and hooked_cache(kwargs) is cache:
                 cache.close()  # the forward raised: leave nothing attached to the model
 
+        fits = _lengths_vary_by_layer(self.method)
         for module in modules.values():
+            if fits:
+                self._hooks.append(module.register_forward_pre_hook(fit_mask, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(after_attention, with_kwargs=True, always_call=True))
         self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
 
@@ -659,6 +744,75 @@ class KVMethodCache(DynamicCache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lengths_vary_by_layer(method) -> bool:
+    """Whether ``method`` (or the method it wraps, through ``.method``) keeps different numbers of slots per layer."""
+    seen = 0
+    while isinstance(method, KVMethod) and seen < 8:
+        if method.per_layer_lengths:
+            return True
+        method, seen = getattr(method, "method", None), seen + 1
+    return False
+
+
+def no_method_layers_error(model: torch.nn.Module, cache: Cache, name: str) -> ValueError:
+    """The error for a model none of whose layers a KV method can act on: every attention layer is a sliding-window
+    layer (Mistral with ``sliding_window`` set), or no decoder self-attention module was found."""
+    sliding = [layer for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
+    if attention_modules(model) and sliding and len(sliding) == len(cache.layers):
+        window = getattr(sliding[0], "sliding_window", "?")
+        return ValueError(
+            f"every attention layer of {type(model).__name__} is a sliding-window layer (sliding_window={window}); "
+            f"the {name} KV-cache method acts on full-attention layers only and this model has none. Its window "
+            f"already bounds the cache to {window} tokens per layer: run it with 'full'"
+        )
+    return ValueError(
+        f"found no self-attention modules (with layer_idx and head_dim) in {type(model).__name__}; the {name} "
+        "KV-cache method needs a transformers decoder"
+    )
+
+
+def fit_layer_mask(mask, held: int, query_length: int):
+    """The model's attention mask fitted to one layer's own cache length, for methods that keep different numbers of
+    slots per layer (PyramidKV, ...).
+
+    transformers builds one mask per layer type, sized by the first layer of that type (``get_mask_sizes``); with
+    eager attention (or any 4-D mask) a layer holding another number of slots would not match it. Every held slot is
+    visible to every query of the forward (padded batches are refused by evicting methods), so the layer's mask is
+    "all held slots allowed" followed by the mask's own last ``query_length`` columns (the causal part of the chunk).
+
+    Parameters
+    ----------
+    mask : torch.Tensor or other
+        [B, 1 or H, q, k] bool (True = attend) or additive float mask; anything else is returned as it is.
+    held : int
+        Slots the layer holds before this forward's update.
+    query_length : int
+        Tokens in this forward (``q``).
+
+    Returns
+    -------
+    The mask itself when it already fits (or is not a 4-D tensor), else a [B, 1 or H, q, held + q] mask.
+
+    Raises
+    ------
+    ValueError
+        If the mask hides a held slot (a padded or custom mask), which cannot be fitted to another cache length.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] == held + query_length:
+        return mask
+    ref_held = mask.shape[-1] - query_length
+    if ref_held < 0:
+        return mask
+    head = mask[..., :ref_held]
+    visible = head.all() if mask.dtype == torch.bool else (head == 0).all()
+    if not bool(visible):
+        raise ValueError("this KV method keeps a different number of slots per layer, which cannot be fitted to a "
+                         "padded or custom attention mask; run prompts one at a time or with equal lengths")
+    fill = True if mask.dtype == torch.bool else 0
+    allowed = mask.new_full((*mask.shape[:-1], held), fill)
+    return torch.cat([allowed, mask[..., ref_held:]], dim=-1)
 
 
 def _remove_handles(handles: list) -> None:
@@ -702,6 +856,9 @@ class KVMethod:
         Whether the method's prefill forward computes exactly full attention and the method only chooses what to keep
         afterwards (in ``make_layer``'s ``update`` and ``on_step``), so that one shared full-attention prefill can
         serve it (:mod:`mmaccel.longctx.shared_prefill`). False (the default) for methods that change the prefill.
+    per_layer_lengths : bool (class)
+        Whether layers keep different numbers of slots (PyramidKV); the cache then fits the model's 4-D mask to
+        each layer's length (:func:`fit_layer_mask`), which eager attention needs.
     """
 
     method_name: ClassVar[str] = "kv-method"
@@ -711,6 +868,7 @@ class KVMethod:
     chunking_error: ClassVar[str] = ""
     supports_speculative: ClassVar[bool] = False
     prefill_is_full: ClassVar[bool] = False
+    per_layer_lengths: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

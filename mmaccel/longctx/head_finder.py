@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 def _observe(model, input_ids: torch.Tensor, window: int, score_fn) -> list[torch.Tensor]:
     """One forward of ``input_ids`` [1, L]; per layer, ``score_fn(queries [1, Hq, window, D], keys [1, Hkv, L, D],
-    scaling)`` -> [Hkv] float32. Returns the per-layer results in layer order."""
+    scaling)`` -> [Hkv] float32. Returns the per-layer results in layer order. Sliding-window layers (Mistral,
+    Gemma 2/3's local layers) score 0: they see only their window, and the retrieval-head methods act on
+    full-attention layers only."""
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"found no self-attention modules in {type(model).__name__}; the head finder needs a "
@@ -38,6 +40,10 @@ def _observe(model, input_ids: torch.Tensor, window: int, score_fn) -> list[torc
     cache = DynamicCache(config=model.config)
 
     def hook(module, args, kwargs, output):
+        layer = cache.layers[module.layer_idx]
+        if getattr(layer, "is_sliding", False):  # a local layer keeps its window: no retrieval head, and untouched
+            results[module.layer_idx] = torch.zeros(int(layer.keys.shape[1]))  # by the retrieval-head methods
+            return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         queries = window_queries(module, hidden, kwargs.get("position_embeddings"), window)
         keys = cache.layers[module.layer_idx].keys

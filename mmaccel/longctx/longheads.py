@@ -363,19 +363,17 @@ class LongHeads(KVMethod):
             raise ValueError(  # noqa: TRY004 - a model LongHeads cannot run, reported like every other one
                 f"{self.name}: the model's config has no max_position_embeddings (its trained length)")
         window = self.resolve_window(trained)
-        rotary = _rotary_of(model)
+        inv_freq, rope_type, scaling = _full_attention_rope(model)
         params = getattr(config, "rope_parameters", None) or {}
-        rope_type = getattr(rotary, "rope_type", "default")
+        params = params.get("full_attention", params)  # per layer type (Gemma 3): the global layers' RoPE
         if rope_type in _LENGTH_DEPENDENT_ROPE or "mrope_section" in params:
             raise ValueError(f"{self.name}: {rope_type!r} RoPE{' (M-RoPE)' if 'mrope_section' in params else ''} "
                              "does not give each position one fixed angle; LongHeads needs plain RoPE")
         modules = attention_modules(model)
         head_dim = next(iter(modules.values())).head_dim if modules else None
-        inv_freq = rotary.inv_freq.detach().float()
         if head_dim is None or 2 * inv_freq.numel() != head_dim:
             raise ValueError(f"{self.name}: RoPE covers {2 * inv_freq.numel()} of head_dim {head_dim} dimensions; "
                              "LongHeads needs RoPE over the full head dimension")
-        scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
         cos, sin = rope_angles(torch.arange(window, device=inv_freq.device), inv_freq)
         self._rope = {"window": window, "trained": trained, "inv_freq": inv_freq, "scaling": scaling,
                       "cos": cos * scaling, "sin": sin * scaling}
@@ -438,8 +436,30 @@ class LongHeads(KVMethod):
         }
 
 
+def _full_attention_rope(model: torch.nn.Module) -> tuple[torch.Tensor, str, float]:
+    """The RoPE of the decoder's full-attention layers (the layers LongHeads acts on): ``(inv_freq float32 [D / 2],
+    rope_type, attention_scaling)``, from a rotary embedding with one ``inv_freq`` buffer, or, for a rotary embedding
+    per layer type (Gemma 3: ``full_attention_inv_freq``), from its full-attention entries.
+
+    Raises
+    ------
+    ValueError
+        As :func:`_rotary_of`.
+    """
+    rotary = _rotary_of(model)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(inv_freq, torch.Tensor):
+        return inv_freq.detach().float(), rope_type, float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get("full_attention", "default")
+    scaling = getattr(rotary, "full_attention_attention_scaling", 1.0)
+    return rotary.full_attention_inv_freq.detach().float(), rope_type, float(scaling or 1.0)
+
+
 def _rotary_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder's rotary embedding module (one with an ``inv_freq`` buffer).
+    """The decoder's rotary embedding module (one with an ``inv_freq`` buffer, or a ``full_attention_inv_freq``
+    buffer when it holds one RoPE per layer type).
 
     Raises
     ------
@@ -454,6 +474,10 @@ def _rotary_of(model: torch.nn.Module) -> torch.nn.Module:
         except (AttributeError, NotImplementedError, ValueError):
             root = model
     found = [m for m in root.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        per_type = [m for m in root.modules() if isinstance(getattr(m, "full_attention_inv_freq", None), torch.Tensor)]
+        if len(per_type) == 1:
+            return per_type[0]
     if not found:
         raise ValueError(f"longheads: found no rotary embedding (inv_freq) in {type(model).__name__}; LongHeads "
                          "re-applies RoPE and needs a RoPE model")

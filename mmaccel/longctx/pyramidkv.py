@@ -63,6 +63,7 @@ class PyramidKV(SnapKV):
 
     method_name = "pyramidkv"
     prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
+    per_layer_lengths = True  # the cache fits eager's one mask per layer type to each layer's own length
 
     def __post_init__(self):
         super().__post_init__()

@@ -4,6 +4,7 @@ keeps; the wrapper decides which slots that buys.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .base import KVScorer, LayerStep
@@ -23,7 +24,9 @@ class ScorerWrapper(KVScorer):
     method : KVScorer or str
         The wrapped scorer or its spec with commas for colons (``"snapkv,budget=256"``).
     budget, ratio
-        Taken from the wrapped scorer; if given they must equal its own.
+        Taken from the wrapped scorer. Given on a wrapper whose method is a spec naming neither
+        (``adakv:ratio=0.25``, ``chunkkv:method=snapkv:budget=64``), they are passed to the method; otherwise they must
+        equal its own.
 
     Raises
     ------
@@ -43,6 +46,10 @@ class ScorerWrapper(KVScorer):
             raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
                 f"{self.method_name} wraps a scored method (snapkv, pyramidkv, h2o, tova, knorm, streaming), "
                 f"got {inner.name}")
+        given = {name: getattr(self, name) for name in ("budget", "ratio") if getattr(self, name) is not None}
+        if given and isinstance(self.method, str) and not any(f"{n}=" in self.method for n in ("budget", "ratio")):
+            # adakv:ratio=0.25 (the wrapped method named without its own budget): the wrapper's budget is the method's
+            inner = dataclasses.replace(inner, budget=given.get("budget"), ratio=given.get("ratio"))
         for name in ("budget", "ratio"):
             mine = getattr(self, name)
             if mine is not None and mine != getattr(inner, name):
