@@ -128,7 +128,7 @@ def test_tower_score_attention_records_the_columns_and_returns_the_modules_own_o
     seen = []
     module = torch.nn.Module()
     module.is_causal = False  # as a vision tower's attention (transformers' SDPA reads it)
-    module._mmaccel_tower_scores = (lambda s, keys: seen.append((s, keys)), "sdpa")
+    module._mmaccel_tower_scores = ([lambda s, keys: seen.append((s, keys))], "sdpa")
     out, _ = tower_score_attention(module, q, k, v, None, scaling=8 ** -0.5)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=8 ** -0.5).transpose(1, 2)
     torch.testing.assert_close(out, want)
@@ -137,7 +137,7 @@ def test_tower_score_attention_records_the_columns_and_returns_the_modules_own_o
     torch.testing.assert_close(scores, probs.mean(dim=(1, 2)))
     torch.testing.assert_close(keys, k.mean(dim=1))
     assert scores.argmax(dim=-1).tolist() == [1, 1]
-    module._mmaccel_tower_scores = (lambda s, keys: seen.append((s, keys)), "eager")
+    module._mmaccel_tower_scores = ([lambda s, keys: seen.append((s, keys))], "eager")
     monkeypatch.setattr(adapters, "_QUERY_CHUNK", 2)  # 5 queries in chunks of 2, 2 and 1
     eager, _ = tower_score_attention(module, q, k, v, None, scaling=8 ** -0.5)
     torch.testing.assert_close(eager, want)
@@ -242,3 +242,14 @@ def test_score_cls_is_refused_where_the_tower_has_none(models):
             pass
     with pytest.raises(ValueError, match="score must be one of"):
         PruMerge(score="attention")
+
+
+def test_two_scored_methods_applied_together_on_anyres_restore_the_model(models, references):
+    """VisionZip inside PruMerge on OneVision (each records pack_image_features' arguments): at keep 1.0 the logits
+    are plain generate's, and on exit the model's own method is back."""
+    model, inputs = models("onevision")
+    ref, ref_scores = references("onevision")
+    with PruMerge(keep_ratio=1.0).apply(model), VisionZip(keep_ratio=1.0).apply(model):
+        out, scores = _generate(model, inputs)
+    assert torch.equal(out, ref) and (scores - ref_scores).abs().max().item() <= 1e-4
+    assert "pack_image_features" not in vars(model.model)

@@ -420,7 +420,7 @@ def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           **kwargs):
     """The attention function (``AttentionInterface``) of the one scored tower module: softmax attention that
     hands :func:`received_attention` [B, Nk] and the keys (mean over heads, [B, Nk, d], after the tower's RoPE if
-    any) to the module's recorder, then returns the output of the module's own implementation (eager: computed from
+    any) to the module's recorders, then returns the output of the module's own implementation (eager: computed from
     the same probabilities, with no attention weights returned; other implementations: theirs). The probabilities
     are computed 256 queries at a time (float32), so the temporaries stay [B, H, 256, Nk].
 
@@ -432,7 +432,7 @@ def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     ValueError
         Under flash attention's packed sequences (``cu_seq_lens_k``): load the model with sdpa or eager attention.
     """
-    record, original = getattr(module, _SCORE_ATTR, (None, None))
+    recorders, original = getattr(module, _SCORE_ATTR, ((), None))
     if kwargs.get("cu_seq_lens_k") is not None:
         raise ValueError("the tower's received-attention score needs sdpa or eager attention in the vision tower, "
                          "not flash attention: load the model with attn_implementation='sdpa'")
@@ -453,8 +453,10 @@ def tower_score_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         received += probs.sum(dim=(1, 2))
         if eager:
             outs.append(probs.to(value.dtype) @ value)
-    if record is not None:
-        record(received / (heads * n_q), key.float().mean(dim=1))  # = received_attention(all probabilities)
+    if recorders:
+        scores, mean_keys = received / (heads * n_q), key.float().mean(dim=1)  # = received_attention(all probs)
+        for record in recorders:
+            record(scores, mean_keys)
     if eager:
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -473,13 +475,19 @@ _register_score_attention()
 
 
 def _attach_received_capture(attn: nn.Module, record, undo: list) -> None:
-    """Give one tower attention module a config copy whose implementation is :data:`SCORE_ATTENTION`, and its
-    recorder; undone on exit (the shared config and the other modules are not touched)."""
+    """Give one tower attention module a config copy whose implementation is :data:`SCORE_ATTENTION`, and add
+    ``record`` to its recorders; undone on exit (the shared config and the other modules are not touched). Methods
+    applied together each add their recorder to the one module."""
+    if hasattr(attn, _SCORE_ATTR):
+        recorders = getattr(attn, _SCORE_ATTR)[0]
+        recorders.append(record)
+        undo.append(lambda: recorders.remove(record))
+        return
     config = attn.config
     own = copy.copy(config)
     own._attn_implementation_internal = SCORE_ATTENTION
     attn.config = own
-    setattr(attn, _SCORE_ATTR, (record, config._attn_implementation))
+    setattr(attn, _SCORE_ATTR, ([record], config._attn_implementation))
 
     def restore():
         attn.config = config
@@ -571,6 +579,7 @@ def _attach_pack_record(parts: VLMParts, state: _RunState, undo: list) -> None:
     """AnyRes: record the arguments of every ``pack_image_features`` call of this one instance (an instance attribute
     wrapping the bound method, removed on exit), so that the crops' scores can be packed the same way."""
     inner = parts.inner
+    previous = inner.__dict__.get("pack_image_features")  # another method's record (methods applied together)
     original = inner.pack_image_features
     signature = inspect.signature(original)
 
@@ -578,11 +587,17 @@ def _attach_pack_record(parts: VLMParts, state: _RunState, undo: list) -> None:
     def pack(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         crops = [int(f.shape[0]) for f in bound.arguments["image_features"]]
-        state.vision["pack"] = (crops, bound, original)
+        state.vision["pack"] = (crops, bound, inspect.unwrap(original))
         return original(*args, **kwargs)
 
+    def restore():
+        if previous is None:
+            del inner.pack_image_features
+        else:
+            inner.pack_image_features = previous
+
     inner.pack_image_features = pack
-    undo.append(lambda: delattr(inner, "pack_image_features"))
+    undo.append(restore)
 
 
 def _grid_scores(parts: VLMParts, state: _RunState, grids: list[ImageGrid], media: str) -> list[tuple]:
