@@ -521,10 +521,10 @@ def _attach_tower_scores(parts: VLMParts, state: _RunState, undo: list, score: s
 
     The score is the [CLS] -> patch attention where the tower has a [CLS] token (``score="auto"``), else
     :func:`received_attention` at the module :func:`_score_module` picks (on a [CLS] tower, the columns of the
-    [CLS] token and any register tokens are dropped). AnyRes models: the per-crop scores are laid out as the crops' tokens are,
-    by the model's own ``pack_image_features`` (unpadding and resampling included), whose arguments are recorded per
-    call; a Qwen2-VL tower's scores are taken back from its window order and averaged over each merged group of
-    patches.
+    [CLS] token and any register tokens are dropped). AnyRes models: the per-crop scores are laid out as the crops'
+    tokens are, by the model's own ``pack_image_features`` (unpadding and resampling included), whose arguments are
+    recorded per call; a Qwen2-VL tower's scores are taken back from its window order and averaged over each merged
+    group of patches.
     """
     attn, is_cls = _score_module(parts, score)
     calls = state.vision

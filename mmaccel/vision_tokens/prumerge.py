@@ -83,8 +83,8 @@ class PruMerge(TowerScored):
     takes the place of [CLS] attention, for the outliers and as merge weights: at the layer LLaVA projects, or in a
     Qwen2-VL tower at its last full-attention block (within each image), averaged over each merged 2 x 2 group.
     PruMerge's premise is that [CLS] attention is sparse with a few outliers; the same fence is applied to received
-    attention unchanged (how heavy its tail is on real towers is not measured here). AnyRes crops are scored per crop and laid out by the model's own
-    ``pack_image_features``.
+    attention unchanged (how heavy its tail is on real towers is not measured here). AnyRes crops are scored per
+    crop and laid out by the model's own ``pack_image_features``.
 
     Parameters
     ----------
