@@ -130,6 +130,11 @@ def test_gguf_converter_reproduces_the_model(tiny_gguf, tmp_path):
         assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    again = tmp_path / "again"
+    again.mkdir()
+    convert_gguf_causal_lm(path, again)  # byte-identical files: what lets the zoo pin converted sha256s
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in tmp_path.iterdir()
+                                                                 if p.is_file()}
 
 
 def test_gguf_converter_errors(tmp_path):
