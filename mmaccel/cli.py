@@ -225,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--video", default=None, metavar="FILE", help="video-qa: the video (MP4, WebM, ...)")
     p.add_argument("--frames", type=_positive_int, default=8,
                    help="video-qa: frames sampled uniformly from the video (default 8)")
+    from .data.media import DEFAULT_FRAME_CAP, DEFAULT_MAX_PIXELS
+
+    p.add_argument("--max-image-pixels", type=_positive_int, default=DEFAULT_MAX_PIXELS, metavar="N",
+                   help=f"vqa/video-qa: refuse an image or video frame of more pixels (width x height), read from "
+                        f"its header before decoding (default {DEFAULT_MAX_PIXELS:,}, 4096 x 4096)")
+    p.add_argument("--max-frames", type=_positive_int, default=DEFAULT_FRAME_CAP, metavar="N",
+                   help=f"video-qa: refuse a --frames above this cap (default {DEFAULT_FRAME_CAP})")
     p.add_argument("--question", default=None, help="vqa/video-qa: the question")
     p.add_argument("--answer", default=None, help="vqa/video-qa: the expected answer (scored by its first word)")
     p.add_argument("--out", default="runs/compare",
@@ -414,16 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -------------------------------------------------------------------------------------------------------- commands
-def _text_tokenizer(tokenizer):
-    """A multimodal checkpoint comes with a processor; the text tasks need its tokenizer."""
-    return getattr(tokenizer, "tokenizer", None) or tokenizer
+def _text_tokenizer(tokenizer, model: str):
+    """A multimodal checkpoint comes with a processor; the text tasks need its tokenizer (a vision encoder has none:
+    one clear error, :func:`mmaccel.eval.compare.text_tokenizer`)."""
+    from .eval.compare import text_tokenizer
+
+    return text_tokenizer(tokenizer, model)
 
 
 def _load_tokenizer(args):
     """The tokenizer alone (seconds), so configuration errors show before the slow model load."""
     from .models.loading import load_tokenizer
 
-    return _text_tokenizer(load_tokenizer(args.model, trust_remote_code=args.trust_remote_code))
+    return _text_tokenizer(load_tokenizer(args.model, trust_remote_code=args.trust_remote_code), args.model)
 
 
 def _load_model(args, device: str | None = None):
@@ -431,7 +441,7 @@ def _load_model(args, device: str | None = None):
 
     model, tokenizer = load(args.model, device=device or args.device, dtype=args.dtype,
                             attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
-    return model, _text_tokenizer(tokenizer)
+    return model, _text_tokenizer(tokenizer, args.model)
 
 
 def _templates(args) -> dict:
@@ -530,8 +540,10 @@ def _compare_visual(args) -> int:
         raise CLIError(f"--task {args.task} needs {flag} FILE and --question TEXT")
     configs = [parse_visual_config(m) for m in args.methods or DEFAULT_VQA_METHODS]
     try:
-        images = ([load_image(path)] if media == "image" else
-                  [Image.fromarray(f) for f in load_video(path, num_frames=args.frames)])
+        cap = args.max_image_pixels
+        images = ([load_image(path, max_pixels=cap)] if media == "image" else
+                  [Image.fromarray(f) for f in load_video(path, num_frames=args.frames, max_pixels=cap,
+                                                          frame_cap=args.max_frames)])
     except IsADirectoryError as exc:
         raise CLIError(str(exc)) from None
     args.model = args.model or DEFAULT_VLM
@@ -873,8 +885,8 @@ def cmd_spec_bench(args) -> int:
     from .eval.specbench import check_draft_tokenizers, run_spec_bench
     from .eval.sweep import check_out_dir
 
-    if not args.temperature >= 0:
-        raise CLIError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        raise CLIError(f"--temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
     if args.warmup < 0:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     resolved = resolve_methods(["full"] + [m for m in args.methods if m != "full"], draft=args.draft)

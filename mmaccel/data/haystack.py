@@ -14,6 +14,7 @@ Scoring is exact match on the value.
 from __future__ import annotations
 
 import ast
+import codecs
 import functools
 import hashlib
 import random
@@ -28,14 +29,20 @@ __all__ = [
     "CHAT_QUESTION_TEMPLATE",
     "NEEDLE_TEMPLATE",
     "QUESTION_TEMPLATE",
+    "HAYSTACK_CHARS_PER_TOKEN",
+    "MAX_HAYSTACK_BYTES",
     "HaystackTokens",
+    "NIAHLengthError",
     "NIAHSample",
     "Needle",
     "chat_wrapper_ids",
+    "check_haystack_file",
     "is_memorable_number",
     "make_niah_sample",
+    "min_niah_length",
     "prose_stream",
     "random_needles",
+    "read_haystack_text",
     "resolve_chat_template",
     "score_answer",
     "score_answer_contains",
@@ -221,6 +228,92 @@ def prose_stream(rng: random.Random, split: str = "train"):
         yield from paras
 
 
+#: Largest haystack file accepted: 64 MiB (a few million tokens, more than any sweep reads).
+MAX_HAYSTACK_BYTES = 64 * 2**20
+#: Characters of a haystack file read per token a prompt needs, before the prefix is tokenized (English prose is about
+#: 4 characters a token); when the prefix holds too few tokens, twice as much is read, up to the whole file.
+HAYSTACK_CHARS_PER_TOKEN = 8
+
+
+def check_haystack_file(path, max_bytes: int = MAX_HAYSTACK_BYTES) -> Path:
+    """The haystack file as a ``Path``, after checks that read nothing but its metadata.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    max_bytes : int
+        Largest file accepted, in bytes (default :data:`MAX_HAYSTACK_BYTES`, 64 MiB).
+
+    Raises
+    ------
+    FileNotFoundError
+        If nothing is at ``path``.
+    IsADirectoryError
+        If ``path`` is a directory.
+    ValueError
+        If it is not a regular file (a device, a pipe) or is larger than ``max_bytes``.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"haystack {str(path)!r} is a directory; pass one UTF-8 text file with --haystack")
+    if not path.exists():
+        raise FileNotFoundError(f"haystack file {str(path)!r} does not exist; pass a text file with --haystack")
+    if not path.is_file():
+        raise ValueError(f"haystack {str(path)!r} is not a regular file (a device, pipe or socket); pass a UTF-8 "
+                         "text file with --haystack")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"haystack file {str(path)!r} is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:g} MiB "
+                         f"limit; pass a shorter text (a sweep reads about {HAYSTACK_CHARS_PER_TOKEN} characters per "
+                         "token of its longest prompt)")
+    return path
+
+
+def read_haystack_text(path, max_chars: int | None = None, *, max_bytes: int = MAX_HAYSTACK_BYTES) -> str:
+    """Read a haystack file, or only its first ``max_chars`` characters, as UTF-8 text; a binary file is refused.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    max_chars : int, optional
+        Read at most this many characters (at most ``4 * max_chars`` bytes); default: the whole file.
+    max_bytes : int
+        Largest file accepted (:func:`check_haystack_file`).
+
+    Returns
+    -------
+    str
+        The text, without a UTF-8 byte-order mark.
+
+    Raises
+    ------
+    FileNotFoundError, IsADirectoryError
+        As :func:`check_haystack_file`.
+    ValueError
+        For a file :func:`check_haystack_file` refuses, or bytes read that hold a NUL byte or are not valid UTF-8
+        (a binary file, or text in another encoding: the message names the byte offset and how to convert it).
+    """
+    path = check_haystack_file(path, max_bytes)
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    limit = max_bytes if max_chars is None else min(max_bytes, 4 * max_chars)  # a UTF-8 character is 1 to 4 bytes
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    cut = len(data) > limit
+    data = data[:limit]
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ValueError(f"haystack file {str(path)!r} is binary (a NUL byte at offset {nul}); pass a UTF-8 text file")
+    try:
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not cut)  # a cut may split a character
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"haystack file {str(path)!r} is not UTF-8 text (byte offset {exc.start}: {exc.reason}); pass a UTF-8 "
+            f"text file, e.g. converted with: iconv -f LATIN1 -t UTF-8 {path} > haystack.txt"
+        ) from None
+    return text if max_chars is None else text[:max_chars]
+
+
 class HaystackTokens:
     """Token ids of a long haystack text, cached per tokenizer, with sentence-boundary lookup.
 
@@ -244,6 +337,38 @@ class HaystackTokens:
         self.ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
         vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.period_ids = {i for i, t in enumerate(vocab) if t is not None and t.rstrip().endswith(".")}
+
+    @classmethod
+    def from_file(cls, tokenizer, path, min_tokens: int | None = None, *,
+                  max_bytes: int = MAX_HAYSTACK_BYTES) -> "HaystackTokens":
+        """The haystack of a UTF-8 text file, reading and tokenizing only as much of it as a prompt needs.
+
+        Parameters
+        ----------
+        tokenizer : a Hugging Face tokenizer
+        path : str or os.PathLike
+        min_tokens : int, optional
+            The prompt needs more than this many haystack tokens: the first ``min_tokens *``
+            :data:`HAYSTACK_CHARS_PER_TOKEN` characters are read and tokenized, twice as many while they hold too
+            few tokens, up to the whole file (a shorter file is repeated by :meth:`span`). Default: the whole file.
+            Prompts are then drawn from that prefix.
+        max_bytes : int
+            Largest file accepted (:func:`check_haystack_file`).
+
+        Raises
+        ------
+        FileNotFoundError, IsADirectoryError, ValueError
+            As :func:`read_haystack_text`; ``ValueError`` also if the text is empty.
+        """
+        if min_tokens is None:
+            return cls(tokenizer, read_haystack_text(path, max_bytes=max_bytes))
+        chars = max(1, int(min_tokens)) * HAYSTACK_CHARS_PER_TOKEN
+        while True:
+            text = read_haystack_text(path, chars, max_bytes=max_bytes)
+            hay = cls(tokenizer, text)
+            if len(hay.ids) > min_tokens or len(text) < chars:
+                return hay
+            chars *= 2
 
     def span(self, n: int, rng: random.Random) -> list[int]:
         """``n`` consecutive ids from a random offset; the text is repeated when it is shorter than ``n``."""
@@ -387,28 +512,14 @@ def make_niah_sample(
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    if question_template is None:
-        question_template = CHAT_QUESTION_TEMPLATE if chat_template else QUESTION_TEMPLATE
-    rng = random.Random(f"niah:{seed}:{length}:{depth}")
-    hay = haystack if haystack is not None else _default_haystack(tokenizer)
-    (needle,) = random_needles(rng, 1, digits)
-    needle_ids = tokenizer.encode(" " + needle.text(needle_template), add_special_tokens=False)
-    question_ids = tokenizer.encode("\n" + needle.question(question_template), add_special_tokens=False)
-    if chat_template:
-        head, tail = chat_wrapper_ids(tokenizer)
-        if instruction:
-            head = head + tokenizer.encode(instruction, add_special_tokens=False)
-        if answer_prefix:
-            tail = tail + tokenizer.encode(answer_prefix.format(key=needle.key), add_special_tokens=False)
-    else:
-        head, tail = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
+    layout = _NeedleLayout(tokenizer, needle_template, question_template, digits, chat_template, answer_prefix,
+                           instruction)
+    rng, needle, head, needle_ids, question_ids, tail = layout.draw(length, depth, seed)
     fixed = len(head) + len(needle_ids) + len(question_ids) + len(tail)
     n_hay = length - fixed
-    if n_hay < 16:
-        raise ValueError(
-            f"length {length} is smaller than the needle and question need: use a length of at least {fixed + 16} "
-            "tokens"
-        )
+    if n_hay < MIN_HAYSTACK_TOKENS:
+        raise NIAHLengthError(length, fixed, layout.min_length([depth], [seed], start=length + 1))
+    hay = haystack if haystack is not None else _default_haystack(tokenizer)  # after the check: it takes seconds
     body = hay.span(n_hay, rng)
     pos = hay.boundary(body, round(depth * n_hay))
     ids = head + body[:pos] + needle_ids + body[pos:] + question_ids + tail
@@ -422,6 +533,116 @@ def make_niah_sample(
         needles=[needle],
         chat_template=chat_template,
     )
+
+
+#: The fewest haystack tokens a NIAH prompt holds besides the needle, the question and the template.
+MIN_HAYSTACK_TOKENS = 16
+
+
+class NIAHLengthError(ValueError):
+    """A NIAH length too small for the needle, the question and the prompt template.
+
+    Attributes
+    ----------
+    length : int
+        The length asked for, in tokens.
+    fixed : int
+        Tokens the needle, question and template take in that prompt.
+    minimum : int
+        The advised length: every length from ``minimum`` to ``minimum + 63`` holds its prompts
+        (:func:`min_niah_length`).
+    """
+
+    def __init__(self, length: int, fixed: int, minimum: int):
+        self.length, self.fixed, self.minimum = length, fixed, minimum
+        super().__init__(f"length {length} is smaller than the needle and question need ({fixed} tokens with the "
+                         f"prompt template, plus at least {MIN_HAYSTACK_TOKENS} of haystack): use a length of at "
+                         f"least {minimum} tokens")
+
+
+class _NeedleLayout:
+    """The length-independent parts of a NIAH prompt (template head and tail) and the needle each (length, depth,
+    seed) draws, with the token ids of the needle sentences cached."""
+
+    def __init__(self, tokenizer, needle_template, question_template, digits, chat_template, answer_prefix,
+                 instruction):
+        self.tokenizer, self.needle_template, self.digits = tokenizer, needle_template, digits
+        if question_template is None:
+            question_template = CHAT_QUESTION_TEMPLATE if chat_template else QUESTION_TEMPLATE
+        self.question_template = question_template
+        self.chat_template, self.answer_prefix, self.instruction = chat_template, answer_prefix, instruction
+        self._encoded: dict[str, list[int]] = {}
+        if chat_template:
+            self.head, self.tail = chat_wrapper_ids(tokenizer)
+            if instruction:
+                self.head = self.head + self._encode(instruction)
+        else:
+            self.head, self.tail = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
+
+    def _encode(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            self._encoded[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encoded[text]
+
+    def draw(self, length: int, depth: float, seed: int):
+        """(rng, needle, head, needle_ids, question_ids, tail) of the prompt at (length, depth, seed)."""
+        rng = random.Random(f"niah:{seed}:{length}:{depth}")
+        (needle,) = random_needles(rng, 1, self.digits)
+        tail = self.tail
+        if self.chat_template and self.answer_prefix:
+            tail = tail + self._encode(self.answer_prefix.format(key=needle.key))
+        return (rng, needle, self.head, self._encode(" " + needle.text(self.needle_template)),
+                self._encode("\n" + needle.question(self.question_template)), tail)
+
+    def fixed(self, length: int, depth: float, seed: int) -> int:
+        _, _, head, needle_ids, question_ids, tail = self.draw(length, depth, seed)
+        return len(head) + len(needle_ids) + len(question_ids) + len(tail)
+
+    def min_length(self, depths, seeds, *, start: int = 1, window: int = 64) -> int:
+        """The least length >= ``start`` from which ``window`` consecutive lengths all hold their prompts."""
+        length = max(1, int(start))
+        for _ in range(10_000):
+            short = [n for n in range(length, length + window) for d in depths for s in seeds
+                     if n - self.fixed(n, d, s) < MIN_HAYSTACK_TOKENS]
+            if not short:
+                return length
+            length = max(short) + 1
+        raise ValueError("no NIAH length holds the needle and question; check the templates")  # pragma: no cover
+
+
+def min_niah_length(tokenizer, depths=(0.5,), seeds=(0,), *, start: int = 1, needle_template: str = NEEDLE_TEMPLATE,
+                    question_template: str | None = None, digits: int = 5, chat_template: bool = False,
+                    answer_prefix: str | None = ANSWER_PREFIX_TEMPLATE,
+                    instruction: str | None = CHAT_INSTRUCTION) -> int:
+    """The shortest NIAH length that holds the needle, question and prompt template at every depth and seed given.
+
+    The needle drawn depends on the length, so the tokens it takes vary a little with it: the length returned is the
+    least one ``>= start`` such that it and the 63 lengths after it all build (checked by tokenizing the needles,
+    not the haystack). It is the advice of :class:`NIAHLengthError`.
+
+    Parameters
+    ----------
+    tokenizer : a Hugging Face tokenizer
+    depths, seeds : sequences
+        The depths in [0, 1] and the sample seeds of the prompts (a sweep's trial ``t`` uses ``seed + t``).
+    start : int
+        The least length considered.
+    needle_template, question_template, digits, chat_template, answer_prefix, instruction
+        As :func:`make_niah_sample`.
+
+    Returns
+    -------
+    int
+        A length in tokens.
+
+    Raises
+    ------
+    ValueError
+        From the chat template (see :func:`chat_wrapper_ids`).
+    """
+    layout = _NeedleLayout(tokenizer, needle_template, question_template, digits, chat_template, answer_prefix,
+                           instruction)
+    return layout.min_length(list(depths), list(seeds), start=start)
 
 
 _HAYSTACK_CACHE: dict[tuple, HaystackTokens] = {}

@@ -23,6 +23,40 @@ logger = logging.getLogger(__name__)
 DEFAULT_METHODS = ("full", "snapkv:budget=1024", "streaming:window=1024")
 
 
+def text_tokenizer(processor, model: str = "the model"):
+    """The tokenizer a text task (NIAH, spec-bench) needs, from what the model's checkpoint loaded.
+
+    Parameters
+    ----------
+    processor : a tokenizer, or a processor with a ``tokenizer`` (a vision-language model's)
+    model : str
+        The model's name, for the message.
+
+    Returns
+    -------
+    The tokenizer.
+
+    Raises
+    ------
+    ValueError
+        If there is no tokenizer: a vision encoder (its processor is an image processor, e.g. ``dinov2-small``) gets
+        the commands that take one.
+    """
+    tokenizer = getattr(processor, "tokenizer", None) or processor
+    if callable(getattr(tokenizer, "encode", None)):
+        return tokenizer
+    from transformers import ImageProcessingMixin
+
+    kind = type(processor).__name__
+    if isinstance(processor, ImageProcessingMixin):
+        raise ValueError(f"{model} is a vision encoder (it comes with a {kind}, no tokenizer): `mmaccel tome-sweep "
+                         f"--model {model}` measures it; compare --task niah, niah and spec-bench need a language "
+                         "model (e.g. --model smollm2-135m), compare --task vqa/video-qa and vision-sweep a "
+                         "vision-language model (e.g. --model smol-llava)")
+    raise ValueError(f"{model} has no tokenizer (it comes with a {kind}); text tasks need a language model, e.g. "
+                     "--model smollm2-135m")
+
+
 def format_bytes(n: int | None) -> str:
     """Human-readable bytes (``"1.5 MiB"``); ``"-"`` for ``None``."""
     if n is None:

@@ -71,6 +71,7 @@ from ..kernels._common import synchronize
 from ..models.parts import vision_tower
 from ..pipeline import (
     Composition,
+    check_temperature,
     check_vision_inputs,
     compose_run,
     generation_kwargs,
@@ -351,8 +352,7 @@ def generate_measured(
         raise ValueError(
             f"need max_new_tokens >= 1, repeats >= 1 and warmup >= 0; got {max_new_tokens}, {repeats}, {warmup}"
         )
-    if temperature is None or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature)
     check_cpu_meter(memory_meter, "memory_meter")
     composed = compose_run(method, kv=kv, vision=vision, draft=draft)
     composed.check(model)

@@ -43,11 +43,14 @@ from pathlib import Path
 
 from ..pipeline import resolve_methods
 from .generation import generate_measured, median_or_none
-from ..data.haystack import (
+from ..data.haystack import (  # noqa: F401 - check_haystack_file: re-exported
     NEEDLE_TEMPLATE,
     HaystackTokens,
+    NIAHLengthError,
     NIAHSample,
+    check_haystack_file,
     make_niah_sample,
+    min_niah_length,
     resolve_chat_template,
     score_answer,
     score_answer_contains,
@@ -79,40 +82,30 @@ _MEDIAN_FIELDS = {
 }
 
 
-def check_haystack_file(path) -> Path:
-    """The haystack file as a ``Path``.
-
-    Raises
-    ------
-    FileNotFoundError
-        If it does not exist (or is not a file).
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"haystack file {str(path)!r} does not exist; pass a text file with --haystack")
-    return path
-
-
-def load_haystack(tokenizer, haystack=None) -> HaystackTokens | None:
+def load_haystack(tokenizer, haystack=None, min_tokens: int | None = None) -> HaystackTokens | None:
     """Resolve ``haystack`` into token ids.
 
     Parameters
     ----------
     haystack : None, str, os.PathLike or HaystackTokens
         ``None``: the built-in held-out prose (returns ``None``, so the shared default is used). A path: a UTF-8 text
-        file.
+        file of at most :data:`~mmaccel.data.haystack.MAX_HAYSTACK_BYTES` (64 MiB).
+    min_tokens : int, optional
+        The longest prompt's length: only the file's prefix that holds it is read and tokenized
+        (:meth:`HaystackTokens.from_file`), so a long file costs what the sweep needs. Default: the whole file.
 
     Raises
     ------
     FileNotFoundError
         If the haystack file does not exist.
+    IsADirectoryError
+        If it is a directory.
     ValueError
-        If the file holds no text.
+        If the file holds no text, is binary or not UTF-8, is not a regular file, or is over the size cap.
     """
     if haystack is None or isinstance(haystack, HaystackTokens):
         return haystack
-    path = check_haystack_file(haystack)
-    return HaystackTokens(tokenizer, path.read_text(encoding="utf-8", errors="replace"))
+    return HaystackTokens.from_file(tokenizer, haystack, min_tokens)
 
 
 def check_templates(needle_template: str, question_template: str) -> None:
@@ -158,9 +151,10 @@ def build_samples(
     ------
     ValueError
         For ``trials < 1``, an empty or non-positive length list, a depth outside [0, 1], a length too small for the
-        needle and question (the message gives the minimum), or a bad template.
-    FileNotFoundError
-        If ``haystack`` names a missing file.
+        needle and question (:class:`~mmaccel.data.haystack.NIAHLengthError`: the message gives a length that holds
+        every depth and trial), a bad template, or a haystack file that is binary, not UTF-8 or over 64 MiB.
+    FileNotFoundError, IsADirectoryError
+        If ``haystack`` names a missing file, or a directory.
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
@@ -172,25 +166,31 @@ def build_samples(
         check_templates(needle_template, question_template)
     else:
         check_templates(needle_template, "{key}")
-    hay = load_haystack(tokenizer, haystack)
-    return [
-        (
-            trial,
-            make_niah_sample(
-                tokenizer,
-                int(length),
-                float(depth),
-                seed=seed + trial,
-                haystack=hay,
-                needle_template=needle_template,
-                question_template=question_template,
-                chat_template=chat_template,
-            ),
-        )
-        for length in lengths
-        for depth in depths
-        for trial in range(trials)
-    ]
+    hay = load_haystack(tokenizer, haystack, max(int(n) for n in lengths) + 1)
+    try:
+        return [
+            (
+                trial,
+                make_niah_sample(
+                    tokenizer,
+                    int(length),
+                    float(depth),
+                    seed=seed + trial,
+                    haystack=hay,
+                    needle_template=needle_template,
+                    question_template=question_template,
+                    chat_template=chat_template,
+                ),
+            )
+            for length in lengths
+            for depth in depths
+            for trial in range(trials)
+        ]
+    except NIAHLengthError as exc:  # advise a length that holds every depth and trial of the sweep, not just one
+        minimum = min_niah_length(tokenizer, [float(d) for d in depths], [seed + t for t in range(trials)],
+                                  start=exc.length + 1, needle_template=needle_template,
+                                  question_template=question_template, chat_template=chat_template)
+        raise NIAHLengthError(exc.length, exc.fixed, minimum) from None
 
 
 @dataclass
@@ -374,7 +374,8 @@ WARMUP_TOKENS = 256
 def warmup_sample(tokenizer, *, seed: int = 0, chat_template: bool = False, haystack=None,
                   needle_template: str = NEEDLE_TEMPLATE, question_template: str | None = None) -> NIAHSample:
     """A short NIAH prompt (:data:`WARMUP_TOKENS` tokens) laid out like the real ones, for warm-up runs."""
-    return make_niah_sample(tokenizer, WARMUP_TOKENS, 0.5, seed=seed, haystack=load_haystack(tokenizer, haystack),
+    return make_niah_sample(tokenizer, WARMUP_TOKENS, 0.5, seed=seed,
+                            haystack=load_haystack(tokenizer, haystack, WARMUP_TOKENS + 1),
                             needle_template=needle_template, question_template=question_template,
                             chat_template=chat_template)
 

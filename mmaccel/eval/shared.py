@@ -38,7 +38,7 @@ from ..kernels._common import synchronize
 from ..kernels.hf import cache_kwarg
 from ..longctx import build_method, kv_cache_bytes
 from ..longctx.shared_prefill import SharedPrefill, shares_prefill
-from ..pipeline import generation_kwargs, model_inputs_for
+from ..pipeline import check_temperature, generation_kwargs, model_inputs_for
 from .generation import RunRecord, _jsonable, load_average, median_or_none
 
 logger = logging.getLogger(__name__)
@@ -189,8 +189,7 @@ def generate_shared(
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
             f"need max_new_tokens >= 1, repeats >= 1 and warmup >= 0; got {max_new_tokens}, {repeats}, {warmup}")
-    if temperature is None or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature)
     members = _resolve(methods)
     ids, extra_inputs = model_inputs_for(model, input_ids, tokenizer)
     warm_ids = ids if warmup_ids is None else model_inputs_for(model, warmup_ids, tokenizer)[0]

@@ -38,7 +38,7 @@ import torch
 
 from ..kernels.packed_linear import PackedLinears
 from ..data.prompts import COPY_TASKS, FREE_PROMPTS, add_typos
-from ..pipeline import resolve_methods
+from ..pipeline import check_temperature, resolve_methods
 from .generation import RunRecord, generate_measured, load_average
 from .sweep import Cell as SweepCell
 from .sweep import check_out_dir, finished_records, sweep
@@ -283,8 +283,7 @@ def run_spec_bench(
         with another vocabulary or tokenizer, an unknown prompt set, ``n_prompts``/``max_new_tokens``/``repeats``
         ``< 1`` or ``warmup < 0``; with ``packed_linear``, a model that is not float32 on the CPU.
     """
-    if temperature is None or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature)
     if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
         raise ValueError(f"need max_new_tokens, repeats, n_prompts >= 1 and warmup >= 0; got {max_new_tokens}, "
                          f"{repeats}, {n_prompts}, {warmup}")

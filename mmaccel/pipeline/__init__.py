@@ -16,7 +16,7 @@ from .compose import Composition, check_composition, compose, compose_run, engin
 from .core import Generation, Pipeline
 from .inputs import as_input_ids, check_vision_inputs, model_inputs_for, split_inputs, to_model
 from .resolve import resolve_kv, resolve_method, resolve_methods, resolve_speculative, resolve_vision
-from .runners import KVCacheRun, StepProbe, generation_kwargs, runner_for
+from .runners import KVCacheRun, StepProbe, check_temperature, generation_kwargs, runner_for
 
 __all__ = [
     "Composition",
@@ -26,6 +26,7 @@ __all__ = [
     "StepProbe",
     "as_input_ids",
     "check_composition",
+    "check_temperature",
     "check_vision_inputs",
     "compose",
     "compose_run",

@@ -17,7 +17,7 @@ import torch
 
 from .compose import Composition, compose
 from .inputs import check_vision_inputs, model_inputs_for
-from .runners import generation_kwargs
+from .runners import check_temperature, generation_kwargs
 
 
 @dataclass
@@ -167,8 +167,7 @@ class Pipeline:
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature is None or not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        check_temperature(temperature)
         ids, model_inputs = model_inputs_for(self.model, self.inputs(inputs, images, videos), self.tokenizer)
         check_vision_inputs(self.composed.vision_label, model_inputs)
         self.composed.prepare(self.model, self.tokenizer)

@@ -10,6 +10,7 @@ runs, memory and the vision tower's share is :mod:`mmaccel.eval.generation`'s.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -57,6 +58,19 @@ class StepProbe(LogitsProcessor):
         return scores
 
 
+def check_temperature(temperature) -> float:
+    """A sampling temperature as a float: ``0`` = greedy, a finite ``> 0`` = sampling.
+
+    Raises
+    ------
+    ValueError
+        For ``None``, a non-number, a negative value, NaN or infinity (one line naming the fix).
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy, > 0 = sampling), got {temperature!r}")
+    return float(temperature)
+
+
 def generation_kwargs(model, tokenizer, temperature: float = 0.0) -> dict:
     """The ``generate`` keyword arguments every run uses: greedy decoding (``temperature == 0``) or plain sampling at
     ``temperature`` (no top-k / top-p), stopping at EOS; EOS and pad ids come from the tokenizer when the model's
@@ -73,7 +87,13 @@ def generation_kwargs(model, tokenizer, temperature: float = 0.0) -> dict:
     -------
     dict
         ``do_sample``, ``num_beams``, ``temperature``, ``top_p``, ``top_k``, ``eos_token_id``, ``pad_token_id``.
+
+    Raises
+    ------
+    ValueError
+        For a temperature that is negative, NaN or infinite (:func:`check_temperature`).
     """
+    temperature = check_temperature(temperature)
     gen_cfg = getattr(model, "generation_config", None)
     eos = getattr(gen_cfg, "eos_token_id", None)
     if eos is None and tokenizer is not None:

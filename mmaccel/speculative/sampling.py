@@ -46,10 +46,11 @@ class Sampler:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not 0 <= self.temperature < float("inf")):  # NaN and inf too
             raise ValueError(
-                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}; pass temperature=0.0 for greedy "
-                "decoding or a positive value to sample"
+                f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}; pass temperature=0.0 for "
+                "greedy decoding or a positive value to sample"
             )
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")

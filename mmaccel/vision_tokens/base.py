@@ -65,8 +65,18 @@ def check_keep_ratio(value: Any, name: str = "keep_ratio") -> float:
 
 
 def kept_count(n: int, keep_ratio: float) -> int:
-    """Tokens kept out of ``n`` at ``keep_ratio``: ``round(keep_ratio * n)``, at least 1, exactly ``n`` at 1.0."""
-    return n if keep_ratio >= 1.0 else max(1, min(n, round(keep_ratio * n)))
+    """Tokens kept out of ``n`` at ``keep_ratio``: ``round(keep_ratio * n)``, at least 1, exactly ``n`` at 1.0 (and 0
+    of 0).
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is negative or ``keep_ratio`` is not in (0, 1] (:func:`check_keep_ratio`).
+    """
+    keep_ratio = check_keep_ratio(keep_ratio)
+    if n < 0:
+        raise ValueError(f"a token count must be >= 0, got {n}")
+    return n if keep_ratio >= 1.0 or n == 0 else max(1, min(n, round(keep_ratio * n)))
 
 
 # ------------------------------------------------------------------------------------------------------ the contract

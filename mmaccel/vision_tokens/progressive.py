@@ -36,7 +36,7 @@ def parse_numbers(value: Any, cast: type, name: str, example: str) -> list:
         out = [cast(v) for v in items]
         if cast is int and any(float(v) != o for v, o in zip(items, out)):
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise ValueError(f"{name} must be a non-empty list of {cast.__name__}s such as {example!r}, "
                          f"got {value!r}") from None
     return out
