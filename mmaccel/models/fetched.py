@@ -253,6 +253,14 @@ FETCHED: dict[str, FetchedEntry] = {
         joined_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         joined_bytes=1_117_320_768,
         joined_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        files={
+            "chat_template.jinja": ("d5495a1e5db0611132a97e46a65dbb64a642a499421228b9c8b93229097fa9a4", 2_509),
+            "config.json": ("4c4280b4ba584d8b183fc8c93b768ca6a068e32f6470b8797672eb25c286b2b9", 1_452),
+            "generation_config.json": ("9bcc98499f0ad8a9649f7235022c8df157abb6d373bb1910988a907a3c49a772", 117),
+            "model.safetensors": ("2a18c448ee52d7d6e3e4c644d728df344f2b123020b1ad1eb093a403267937af", 7_108_390_424),
+            "tokenizer.json": ("870929f6937e07fc88e0bc62333a39c5fe97bcbea944ea9d3a6ffcf760ef360d", 11_430_690),
+            "tokenizer_config.json": ("5ba6b467dca0e650db0b32f0a982a5c005cd3802ec81b72f774c4cc7a6f90fc2", 314),
+        },
     ),
     "gemma3-270m": FetchedEntry(
         name="gemma3-270m",
