@@ -266,8 +266,8 @@ def _memory_text(mem: dict | None) -> str:
 
     return (f"\n\nMemory: {mem['parameters']:,} parameters (tied weights once): "
             f"{format_bytes(mem['fp32_bytes'])} in fp32, {format_bytes(mem['bf16_bytes'])} in bf16. Peak resident "
-            f"memory of the process after `mmaccel.load` (fp32, checksums included): "
-            f"{format_bytes(mem['peak_rss_after_load_bytes'])} (before: "
+            f"memory of the process after `mmaccel.load` (fp32, checksums included; the safetensors file is "
+            f"memory-mapped, so pages count once read): {format_bytes(mem['peak_rss_after_load_bytes'])} (before: "
             f"{format_bytes(mem['peak_rss_before_load_bytes'])}).")
 
 
