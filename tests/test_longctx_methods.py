@@ -100,6 +100,16 @@ def _perhead_reference(module, query, key, value, attention_mask, scaling=None, 
     return (probs @ v).transpose(1, 2).contiguous(), None
 
 
+
+def _live_positions(layer) -> torch.Tensor:
+    """[B, Hkv, S'] positions a layer holds, less a slot marked dead by in-place decode eviction (``evict_one``)."""
+    pos, free = layer.positions, getattr(layer, "free", None)
+    if free is None:
+        return pos.clone()
+    alive = torch.ones_like(pos, dtype=torch.bool).scatter_(2, free[..., None], False)
+    return pos[alive].view(*pos.shape[:2], -1)
+
+
 @pytest.mark.parametrize("name", sorted(COMPRESSING))
 def test_decode_logits_after_real_compression_match_a_per_head_masked_reference(name, sdpa):
     """Run prefill + 6 decode steps through the method's cache, recording which positions each layer and KV head held
@@ -114,7 +124,7 @@ def test_decode_logits_after_real_compression_match_a_per_head_masked_reference(
         logits.append(sdpa(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1])
         assert all(layer.held < prompt for layer in cache.layers)  # a real compression
         for t in range(prompt, prompt + steps):
-            held.append([layer.positions.clone() for layer in cache.layers])
+            held.append([_live_positions(layer) for layer in cache.layers])
             logits.append(sdpa(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
     total = prompt + steps
     reference = tiny_llama(layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=HEAD_DIM, attn="sdpa")
@@ -173,19 +183,24 @@ def test_h2o_accumulates_attention_and_evicts_at_every_decode_step(eager):
         expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(layer.positions, expected)
         torch.testing.assert_close(layer.slot_state["attention"], acc.gather(2, expected), rtol=1e-4, atol=1e-6)
-    # one decode step: budget + 1 held during attention, then the lightest non-recent slot is evicted
+    # one decode step: budget + 1 held during attention, then the lightest non-recent slot is evicted (in place: it
+    # is marked dead, for the next token to overwrite)
     before = [(layer.positions.clone(), layer.slot_state["attention"].clone()) for layer in cache.layers]
     eager(ids[:, length:], past_key_values=cache, use_cache=True)
     for layer, (pos, acc) in zip(cache.layers, before):
-        assert layer.held == budget and layer.positions[0, :, -recent:].tolist() == [[22, 23, 24]] * HKV
+        live = _live_positions(layer)
+        assert live.shape[-1] == budget and layer.free is not None
+        alive = torch.ones_like(layer.positions, dtype=torch.bool).scatter_(2, layer.free[..., None], False)
+        live_acc = layer.slot_state["attention"][alive].view(*live.shape)
         for h in range(HKV):
-            survivors = layer.positions[0, h, :-1].tolist()
+            assert {22, 23, 24} <= set(live[0, h].tolist())
+            survivors = [p for p in live[0, h].tolist() if p != 24]
             old = dict(zip(pos[0, h].tolist(), acc[0, h].tolist()))
             assert set(survivors) < set(old) and len(set(old) - set(survivors)) == 1
             evicted = (set(old) - set(survivors)).pop()
             assert evicted not in (22, 23)  # never one of the recent slots
-            new = layer.slot_state["attention"][0, h, :-1].tolist()
-            assert all(n >= old[p] for p, n in zip(survivors, new))  # attention only accumulates
+            new = dict(zip(live[0, h].tolist(), live_acc[0, h].tolist()))
+            assert all(new[p] >= old[p] for p in survivors)  # attention only accumulates
     cache.close()
 
 

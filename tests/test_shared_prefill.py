@@ -43,6 +43,7 @@ OWN_PREFILL = {
     "razor": "razor:pattern=micro-lm",
     "bilevel": "bilevel",
     "longheads": "longheads",
+    "kvzip": "kvzip",  # the reconstruction pass follows its own prefill
 }
 
 
@@ -171,7 +172,7 @@ def test_shares_prefill_over_the_registry():
              if name not in ("duo", "streamingllm")}
     sharing = {name for name, method in built.items() if shares_prefill(method)}
     assert sharing == {"full", "streaming", "snapkv", "pyramidkv", "h2o", "tova", "knorm", "quest", "adakv",
-                       "chunkkv", "kvquant"}
+                       "chunkkv", "kvquant", "keydiff", "expected_attention"}
     assert set(built) - sharing == set(OWN_PREFILL)
     assert not shares_prefill("snapkv") and not shares_prefill(object())
 

@@ -404,6 +404,7 @@ class EvictingLayer(DynamicLayer):
         self.target: int | None = None
         self.prefill_length = 0
         self.evicted_length = 0  # tokens seen at the last keep(): slots appended later can be cropped exactly
+        self.free: torch.Tensor | None = None  # [B, Hkv] a dead slot per row and head, overwritten by the next token
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -428,10 +429,19 @@ class EvictingLayer(DynamicLayer):
         return [t for t in (self.positions, *self.slot_state.values()) if t is not None]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``key_states``/``value_states`` [B, Hkv, q, D] and return the held K/V [B, Hkv, S + q, D]."""
+        """Append ``key_states``/``value_states`` [B, Hkv, q, D] and return the held K/V [B, Hkv, S + q, D].
+
+        With a dead slot marked by :meth:`evict_one`, a one-token update is written into that slot in place instead
+        (no copy of the cache; the returned K/V keep their size S, in no particular order); a multi-token update
+        first drops the dead slot.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, q = key_states.shape[:3]
+        if self.free is not None:
+            if q == 1:
+                return self._write_free(key_states, value_states)
+            self._drop_free()
         new_pos = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.positions.device)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
@@ -442,14 +452,44 @@ class EvictingLayer(DynamicLayer):
         self.cumulative_length += q
         return self.keys, self.values
 
+    def evict_one(self, slot: torch.Tensor) -> None:
+        """Evict one slot per row and KV head without moving the cache: mark ``slot`` [B, Hkv] dead, to be
+        overwritten in place by the next one-token :meth:`update` (decode-time eviction at O(1) copies per step,
+        where :meth:`keep` copies every held slot). Until then the dead slot's bytes stay allocated (one slot)."""
+        self.free = slot.to(torch.long)
+
+    def _write_free(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        idx = self.free[..., None, None].expand(-1, -1, 1, self.keys.shape[-1])
+        self.keys.scatter_(2, idx, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, idx, value_states.to(self.values.dtype))
+        slot = self.free[..., None]
+        self.positions.scatter_(2, slot, torch.full_like(slot, self.cumulative_length))
+        for name, state in self.slot_state.items():
+            state.scatter_(2, slot, torch.full(slot.shape, self._fills[name][0], dtype=state.dtype,
+                                               device=state.device))
+        self.free = None
+        self.cumulative_length += 1
+        return self.keys, self.values
+
+    def _drop_free(self) -> None:
+        """Physically remove the dead slot (before a multi-token update, a crop or a :meth:`keep`)."""
+        free, self.free = self.free, None
+        S = self.keys.shape[2]
+        alive = torch.ones(*free.shape, S, dtype=torch.bool, device=free.device)
+        alive.scatter_(2, free[..., None], False)
+        order = torch.arange(S, device=free.device).expand_as(alive)
+        self.keep(order[alive].view(*free.shape, S - 1))
+
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the given slots, per row and KV head, and free the rest.
 
         Parameters
         ----------
         indices : torch.LongTensor
-            [B, Hkv, K] or [K] slot indices into the held sequence (ascending keeps the original order).
+            [B, Hkv, K] or [K] slot indices into the held sequence (ascending keeps the original order). A dead
+            slot of :meth:`evict_one` must not be among them; it is forgotten.
         """
+        self.free = None
         if indices.dim() == 1:
             indices = indices.expand(*self.keys.shape[:2], -1)
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -465,8 +505,11 @@ class EvictingLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(held + query_length, seen - held)``: every query sees all held slots and the causal part of its chunk."""
+        """``(held + query_length, seen - held)``: every query sees all held slots and the causal part of its chunk
+        (``(held, ...)`` for one token written into a dead slot)."""
         held = self.held
+        if self.free is not None and query_length == 1:
+            return held, self.cumulative_length + 1 - held
         return held + query_length, self.cumulative_length - held
 
     def reset(self) -> None:
@@ -476,6 +519,7 @@ class EvictingLayer(DynamicLayer):
         self.target = None
         self.prefill_length = 0
         self.evicted_length = 0
+        self.free = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens seen (transformers 5's negative count).
@@ -499,6 +543,8 @@ class EvictingLayer(DynamicLayer):
         n = -int(tokens_to_remove)
         if n == 0 or not self.is_initialized:
             return
+        if self.free is not None:
+            self._drop_free()
         if self.cumulative_length - n < self.evicted_length:
             raise ValueError(
                 f"cannot crop {n} tokens: the cache has seen {self.cumulative_length} and evicted slots among its first "
@@ -511,6 +557,8 @@ class EvictingLayer(DynamicLayer):
         self.cumulative_length -= n
 
     def _per_row(self, fn) -> None:
+        if self.free is not None:
+            self.free = fn(self.free)
         if self.positions is not None and self.positions.numel():
             self.positions = fn(self.positions)
             for name, state in self.slot_state.items():
@@ -906,11 +954,12 @@ class KVMethod:
         -------
         dict
             ``method``, ``spec``, the hyper-parameters, ``seen_tokens`` (tokens that went through the cache),
-            ``kept_tokens_per_layer``, ``evicted_tokens`` (seen - held, summed over layers), ``kv_cache_bytes``
-            (K/V storage), ``bookkeeping_bytes`` (positions and per-slot state) and ``warnings`` (list of str).
+            ``kept_tokens_per_layer`` (live slots), ``evicted_tokens`` (seen - kept, summed over layers),
+            ``kv_cache_bytes`` (K/V storage, a dead slot awaiting its overwrite included), ``bookkeeping_bytes`` (positions and per-slot state) and ``warnings`` (list of str).
         """
         layers = list(getattr(cache, "layers", []))
-        kept = [held_tokens(layer) for layer in layers]
+        # live slots: a slot marked dead by in-place decode eviction (EvictingLayer.evict_one) is not kept
+        kept = [held_tokens(layer) - (getattr(layer, "free", None) is not None) for layer in layers]
         seen = [int(layer.get_seq_length()) if getattr(layer, "is_initialized", False) else 0 for layer in layers]
         return {
             "method": self.name,
@@ -1046,7 +1095,22 @@ class KVScorer(KVMethod):
                 )
             layer.target = keep
             layer.prefill_length = layer.cumulative_length
+            layer.in_place_ok = self._evicts_in_place() and not has_padding(step.attention_mask)
         elif not self.evicts_on_decode or layer.target is None:
             return
-        if layer.held > layer.target:
+        if step.phase == "decode" and layer.held == layer.target + 1 and getattr(layer, "in_place_ok", False):
+            # one slot too many after a decode step: drop the worst one in place (the next token overwrites it),
+            # the same slots as compress() keeps, without copying the cache at every step
+            layer.evict_one(self.score(step).float().argmin(dim=-1))
+        elif layer.held > layer.target:
             self.compress(step, layer.target)
+
+    def _evicts_in_place(self) -> bool:
+        """Whether decode-time eviction may use :meth:`EvictingLayer.evict_one`: the method keeps the top-scored
+        slots with the base's own :meth:`select` and :meth:`compress`, and its scores do not depend on slot order."""
+        cls = type(self)
+        return cls.select is KVScorer.select and cls.compress is KVScorer.compress and self.scores_ignore_order
+
+    #: scores depend on what each slot holds and its position, not on where it sits in the cache (methods whose
+    #: score() reads slot order, e.g. "the last W slots", set False)
+    scores_ignore_order: ClassVar[bool] = True

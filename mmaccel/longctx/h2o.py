@@ -96,7 +96,8 @@ class H2O(KVScorer):
         step.layer.slot_state["attention"] = acc + mean_over_query_groups(column, step.num_kv_heads)
 
     def score(self, step: LayerStep) -> torch.Tensor:
-        scores = step.layer.slot_state["attention"].clone()
-        if self.recent:
-            scores[..., -self.recent:] = float("inf")
+        scores = step.layer.slot_state["attention"]
+        if self.recent:  # the most recent tokens by position (slots are not in order after in-place eviction)
+            recent = step.layer.positions >= step.layer.cumulative_length - self.recent
+            scores = scores.masked_fill(recent, float("inf"))
         return scores
