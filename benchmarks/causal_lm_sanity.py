@@ -114,6 +114,7 @@ def main(argv=None) -> int:
         "device": f"cpu ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
         "dtype": str(next(model.parameters()).dtype),
         "perplexity": perplexity(model, tokenizer, tokens=args.tokens, windows=args.windows),
+        "chat_template": bool(getattr(tokenizer, "chat_template", None)),
         "greedy": greedy_answers(model, tokenizer),
         "completions": greedy_completions(model, tokenizer),
         "memory": memory(model, rss_before, rss_after),

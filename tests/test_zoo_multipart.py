@@ -232,7 +232,7 @@ def test_the_real_entries_are_pinned():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,prompt,answer", [
     ("qwen2.5-coder-0.5b", "What is the capital of France?", "Paris"),
-    ("gemma3-270m", "The capital of France is", "Paris"),
+    ("gemma3-270m", "What is the capital of France?", "Paris"),  # a base model: raw text (its card: 'is' -> 'the')
     ("qwen2.5-coder-1.5b", "What is the capital of France?", "Paris"),
 ])
 def test_real_multipart_entries_fetch_convert_and_answer(name, prompt, answer, tmp_path_factory):

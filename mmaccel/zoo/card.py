@@ -298,8 +298,10 @@ def write_fetched_card(name: str, out_dir: str | Path | None = None) -> Path:
         parts.append(
             "## Sanity checks\n\n"
             f"Perplexity on held-out prose ({p['text']}; {p['windows']} windows of {p['window_tokens']} tokens, "
-            f"{p['tokens_scored']:,} tokens scored): **{p['perplexity']:.1f}**. Greedy answers through the chat "
-            f"template ({s['device']}, {s['dtype']}):\n\n"
+            f"{p['tokens_scored']:,} tokens scored): **{p['perplexity']:.1f}**. Greedy answers "
+            + ("as raw text (the tokenizer has no chat template)" if s.get("chat_template") is False else
+               "through the chat template")
+            + f" ({s['device']}, {s['dtype']}):\n\n"
             + _fmt_table(["prompt", "answer"], [[g["prompt"], " ".join(g["answer"].split())] for g in s["greedy"]])
             + (("\n\nGreedy raw completions (no chat template, 12 new tokens):\n\n"
                 + _fmt_table(["prompt", "completion"], [[" ".join(g["prompt"].split()), " ".join(g["answer"].split())]
