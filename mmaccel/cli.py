@@ -212,15 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=["niah", "vqa", "video-qa"], default="niah",
                    help="input: a NIAH document (default), a question about --image, or about --video's frames")
     _add_model_args(p, None, f"{DEFAULT_MODEL} for niah, {DEFAULT_VLM} for vqa/video-qa")
-    from .eval.compare import DEFAULT_METHODS
+    from .eval.compare import NIAH_DOCS_METHODS
     from .eval.visual import DEFAULT_VQA_METHODS
 
     _add_run_args(p, None, max_new_tokens=32, methods_help=(
         f"niah: KV-cache specs 'name[:key=value...]' of {', '.join(_method_names())} (default: "
-        f"{' '.join(DEFAULT_METHODS)}); vqa/video-qa: VISION[+KV] specs or 'none' (default: "
+        f"{' '.join(NIAH_DOCS_METHODS)}; full always runs); vqa/video-qa: VISION[+KV] specs or 'none' (default: "
         f"{' '.join(DEFAULT_VQA_METHODS)})"))
     p.add_argument("--length", type=_positive_int, default=4096, help="niah: prompt length in tokens (default 4096)")
-    p.add_argument("--depth", type=_depth, default=0.5, help="niah: needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--docs", type=_positive_int, default=5,
+                   help="niah: documents, one needle each, at depths spread over the document (default 5)")
+    p.add_argument("--depth", type=_depth, default=None,
+                   help="niah: put every document's needle at this depth in [0, 1] (default: spread)")
     p.add_argument("--image", default=None, metavar="FILE", help="vqa: the image (PNG, JPEG, ...)")
     p.add_argument("--video", default=None, metavar="FILE", help="video-qa: the video (MP4, WebM, ...)")
     p.add_argument("--frames", type=_positive_int, default=8,
@@ -462,56 +465,61 @@ def _check_inputs(args) -> dict:
 
 
 def cmd_compare(args) -> int:
-    """``mmaccel compare``: one NIAH document (or one image / video question), every method, a table on stdout and
-    ``compare.json``."""
-    from .eval.compare import DEFAULT_METHODS, compare
-    from .data.haystack import resolve_chat_template
-    from .eval.niah import build_samples, warmup_sample
-    from .eval.sweep import check_out_dir
+    """``mmaccel compare``: several NIAH documents (or one image / video question), every method, a table on stdout
+    (ratios to full on the same documents) and ``compare.json``."""
+    import json
+    from .eval.compare import NIAH_DOCS_METHODS, niah_docs_markdown, niah_docs_rows
+    from .eval.niah import run_niah
+    from .eval.sweep import check_out_dir, write_atomic
+    from .kernels.roofline import decode_weight_bytes, memory_bandwidth
     from .longctx import build_method
 
     if args.task != "niah":
         check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads
         return _compare_visual(args)
     args.model = args.model or DEFAULT_MODEL
-    args.methods = args.methods or list(DEFAULT_METHODS)
+    args.methods = list(dict.fromkeys(["full", *(args.methods or NIAH_DOCS_METHODS)]))  # full: the ratios' base
     for spec in args.methods:
         build_method(spec)  # ValueError: unknown method / bad argument, before anything loads
     templates = _check_inputs(args)
+    # --docs documents: depths spread over the document (or all at --depth), one needle each
+    depths = [args.depth] if args.depth is not None else [(i + 0.5) / args.docs for i in range(args.docs)]
+    trials = args.docs if args.depth is not None else 1
     check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)  # before anything loads or is written
     tokenizer = _load_tokenizer(args)
+    from .data.haystack import resolve_chat_template
+    from .eval.niah import build_samples
+
     chat = resolve_chat_template(tokenizer, args.chat_template)
-    ((_, sample),) = build_samples(
-        tokenizer, [args.length], [args.depth], 1, seed=args.seed, haystack=args.haystack, chat_template=chat,
-        **templates,
-    )
-    warm = warmup_sample(tokenizer, seed=args.seed, chat_template=chat, haystack=args.haystack, **templates)
+    build_samples(tokenizer, [args.length], depths, trials, seed=args.seed, haystack=args.haystack,
+                  chat_template=chat, **templates)  # a too-short length fails here, before the model loads
     model, tokenizer = _load_model(args)
-    result = compare(
-        model, tokenizer, sample, args.methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        warmup=args.warmup, warmup_inputs=warm.input_ids, out_dir=args.out, resume=args.resume,
-        overwrite=args.overwrite, shared_prefill=args.shared_prefill,
+    device = next(model.parameters()).device
+    bandwidth = memory_bandwidth(device)
+    weights = decode_weight_bytes(model)
+    result = run_niah(
+        model, tokenizer, args.methods, [args.length], depths, trials, seed=args.seed, haystack=args.haystack,
+        chat_template=chat, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+        out_dir=args.out, progress=None, resume=args.resume, overwrite=args.overwrite,
+        shared_prefill=args.shared_prefill, **templates,
     )
-    out = Path(args.out) / "compare.json"
+    rows = niah_docs_rows(result.records, bandwidth_gbps=bandwidth.gbps, weight_bytes=weights)
     first = result.records[0]
-    print(f"NIAH: {sample.length} tokens, needle at depth {sample.depth:g} (token {sample.needle_position}), "
-          f"answer {sample.answer}; model {args.model}, device {first.device}, {first.threads} threads, "
-          f"chat template {'on' if chat else 'off'}")
-    print(result.to_markdown())
-    line = _card_accuracy_line(args.model, [label for label in (r.method for r in result.records)], sample.length,
-                               sample.depth)
-    if line:
-        print(line, flush=True)
-    result.to_json(out)  # after the table: a failed write still leaves the table on the screen
-    print(f"wrote {out} and results.jsonl")
+    print(f"NIAH: {len(depths) * trials} documents of {args.length} tokens (needle depths "
+          f"{', '.join(f'{d:g}' for d in depths)}{f', {trials} needles each' if trials > 1 else ''}); model "
+          f"{args.model}, device {first['device']}, {first['threads']} threads, chat template "
+          f"{'on' if chat else 'off'}; memory bandwidth {bandwidth.gbps:.1f} GB/s (copy), decode weights "
+          f"{weights / 2**20:.0f} MiB")
+    print(niah_docs_markdown(rows))
+    if any(r["shared_prefill"] for r in rows):
+        print("(shared): these methods shared one full prefill per document, so their prefill speed is full's plus "
+              "their own compression and their peak memory is not measured; --no-shared-prefill measures each alone")
+    out = Path(args.out) / "compare.json"
+    write_atomic(out, json.dumps({"length": args.length, "depths": depths, "trials": trials,
+                                  "bandwidth_gbps": bandwidth.gbps, "decode_weight_bytes": weights,
+                                  "methods": rows, "records": result.records}, indent=2) + "\n")
+    print(f"wrote {out}, results.jsonl and summary.json")
     return 0
-
-
-def _card_accuracy_line(model: str, labels: list[str], length: int, depth: float) -> str | None:
-    """One line of each method's accuracy over many seeds, from the model card's committed study (if it has one)."""
-    from .zoo.card import seed_study_line
-
-    return seed_study_line(model, labels, length, depth)
 
 
 def _load_vlm(args):

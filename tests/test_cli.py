@@ -33,21 +33,24 @@ def test_help_lists_every_command(capsys):
 
 
 def test_compare_end_to_end(capsys, tiny_dir, tmp_path):
-    rc, out, err = _run(capsys, "compare", "--task", "niah", "--model", tiny_dir, "--length", "192", "--methods",
-                        "full", "streaming:window=32", "snapkv:budget=64:window=16", "--max-new-tokens", "4",
+    rc, out, err = _run(capsys, "compare", "--task", "niah", "--model", tiny_dir, "--length", "192", "--docs", "3",
+                        "--methods", "streaming:window=32", "snapkv:budget=64:window=16", "--max-new-tokens", "4",
                         "--warmup", "0", "--out", str(tmp_path))
     assert rc == 0, err
     table = [line for line in out.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| method | answer | correct | TTFT (s) |")
+    assert table[0].startswith("| method | correct | K/V bytes | K/V vs full |")
+    # full always runs first: the base of every ratio
     assert [row.split("|")[1].strip() for row in table[2:]] == ["full", "streaming:window=32",
                                                                "snapkv:budget=64:window=16"]
-    assert table[2].endswith("| 1.000 |")
+    assert [row.split("|")[2].strip().split("/")[1] for row in table[2:]] == ["3"] * 3  # n/N over 3 documents
+    assert table[2].split("|")[4].strip() == "1.000"
     data = json.loads((tmp_path / "compare.json").read_text())
-    assert data["inputs"]["prompt_tokens"] == data["inputs"]["length"] == 192
-    assert data["inputs"]["depth"] == 0.5
-    assert all(r["status"] == "ok" and r["extra"]["answer"] == data["answer"] for r in data["records"])
-    assert data["records"][1]["kv_ratio_vs_full"] < 1.0
-    assert f"answer {data['answer']}" in out
+    assert data["length"] == 192 and data["depths"] == [pytest.approx(1 / 6), 0.5, pytest.approx(5 / 6)]
+    assert len(data["records"]) == 9 and all(r["status"] == "ok" for r in data["records"])
+    rows = {r["method"]: r for r in data["methods"]}
+    assert rows["streaming:window=32"]["kv_ratio"] < 1.0 and rows["full"]["kv_ratio"] == 1.0
+    assert all(r["extra"]["length"] == 192 for r in data["records"])
+    assert "3 documents of 192 tokens" in out and "over 10 seeds" not in out  # no stored figure
 
 
 def test_niah_end_to_end(capsys, tiny_dir, tmp_path):

@@ -271,7 +271,7 @@ def test_length_advice_is_followed(tmp_path, capsys, micro_tokenizer):
     rc, err = cli(capsys, "compare", "--model", MICRO_LM, "--length", advised, "--haystack", hay, "--methods", "full",
                   "--max-new-tokens", "1", "--warmup", "0", "--out", tmp_path / "b")
     assert rc == 0, err
-    assert json.loads((tmp_path / "b" / "compare.json").read_text())["inputs"]["length"] == advised
+    assert json.loads((tmp_path / "b" / "compare.json").read_text())["length"] == advised
     with pytest.raises(NIAHLengthError) as info:  # a sweep: advice for every depth and trial at once
         build_samples(micro_tokenizer, [10, 500], [0.0, 1.0], 2, haystack=tokens)
     build_samples(micro_tokenizer, [info.value.minimum], [0.0, 1.0], 2, haystack=tokens)

@@ -375,15 +375,18 @@ def test_compare_with_a_bad_out_fails_before_the_model_loads(capsys, tmp_path, m
 
 def test_compare_writes_records_as_it_goes_and_resumes(capsys, tmp_path):
     argv = ["compare", "--model", "micro-lm", "--haystack", str(HAYSTACK), "--chat-template", "off", "--length", "256",
-            "--methods", "full",
-            "streaming:window=64", "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path)]
+            "--docs", "2", "--methods", "full", "streaming:window=64", "--max-new-tokens", "4", "--warmup", "0",
+            "--out", str(tmp_path)]
     rc, first, err = _run_cli(capsys, *argv)
     assert rc == 0, err
-    assert first.index("| method | answer |") < first.index("wrote ")  # the table before the files
+    assert first.index("| method | correct |") < first.index("wrote ")  # the table before the files
     records = read_records(tmp_path / "results.jsonl")
-    assert [r["method"] for r in records] == ["full", "streaming:window=64"]
+    assert sorted(r["method"] for r in records) == ["full", "full", "streaming:window=64", "streaming:window=64"]
+    def outputs(rows):
+        return sorted((r["method"], r["extra"]["depth"], r["output_ids"]) for r in rows)
+
     data = json.loads((tmp_path / "compare.json").read_text())
-    assert [r["output_ids"] for r in data["records"]] == [r["output_ids"] for r in records]
+    assert outputs(data["records"]) == outputs(records)
     rc, _, err = _run_cli(capsys, *argv)
     assert rc == 2 and "already holds" in err
     rc, again, err = _run_cli(capsys, *argv, "--resume")  # every method finished: nothing runs, same table
@@ -391,5 +394,6 @@ def test_compare_writes_records_as_it_goes_and_resumes(capsys, tmp_path):
     table = [line.split("|")[1:4] for line in again.splitlines() if line.startswith("| ")]
     assert table == [line.split("|")[1:4] for line in first.splitlines() if line.startswith("| ")]
     assert read_records(tmp_path / "results.jsonl") == records
-    assert [r["output_ids"] for r in json.loads((tmp_path / "compare.json").read_text())["records"]] == [
-        r["output_ids"] for r in records]
+    assert outputs(json.loads((tmp_path / "compare.json").read_text())["records"]) == outputs(records)
+
+

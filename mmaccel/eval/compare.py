@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..pipeline import resolve_methods, split_inputs
-from .generation import RunRecord, generate_measured
+from .generation import RunRecord, generate_measured, median_or_none
 from ..data.haystack import NIAHSample, score_answer, score_answer_contains
 from .sweep import Cell, run_measured_group, save_figure, shares_prefill, sweep, write_atomic
 
@@ -297,3 +297,88 @@ def compare(
     known = set(RunRecord.__dataclass_fields__)
     records = [RunRecord(**{k: v for k, v in r.items() if k in known}) for r in result.records]
     return Comparison(records=records, answer=answer, inputs=info)
+
+
+#: ``mmaccel compare --task niah``'s methods: full, the bounded method that held full's accuracy on real prose at a
+#: quarter of the K/V (issue 35's measurements), a 4-bit quantized cache, and StreamingLLM as the floor
+NIAH_DOCS_METHODS = ("full", "chunkkv:method=snapkv,ratio=0.25", "kvquant:bits=4", "streaming:ratio=0.25")
+
+
+def _per_doc_ratio(records: list[dict], label: str, key: str, *, invert: bool = False) -> float | None:
+    """Median over documents of ``record[key] / full's record[key]`` on the same document (``invert``: full / it)."""
+    def doc(r):
+        return r["extra"].get("length"), r["extra"].get("depth"), r["extra"].get("trial")
+
+    full = {doc(r): r.get(key) for r in records if r.get("method_name") == "full" and r["status"] == "ok"}
+    ratios = []
+    for r in records:
+        base = full.get(doc(r))
+        if r["method"] != label or r["status"] != "ok" or not base or r.get(key) is None:
+            continue
+        ratios.append(base / r[key] if invert else r[key] / base)
+    return median_or_none(ratios)
+
+
+def niah_docs_rows(records: list[dict], *, bandwidth_gbps: float | None = None,
+                   weight_bytes: int | None = None) -> list[dict]:
+    """One row per method over a multi-document NIAH run (``mmaccel compare --task niah``).
+
+    Parameters
+    ----------
+    records : list of dict
+        ``RunRecord.to_dict()`` rows with NIAH ``extra`` (``length``, ``depth``, ``trial``, ``correct``), ``full``
+        among them for the ratios.
+    bandwidth_gbps, weight_bytes : optional
+        The measured memory bandwidth and the model's decode weight bytes
+        (:mod:`mmaccel.kernels.roofline`): with both, each row has ``roofline_fraction``, the median over documents
+        of tokens/s over ``bandwidth / (weight_bytes + K/V bytes held at the end)``.
+
+    Returns
+    -------
+    list of dict
+        ``method``, ``n`` (successful documents), ``failed``, ``correct`` / ``correct_contains`` (counts, strict and
+        lenient), ``kv_bytes`` (median K/V bytes after prefill), and medians over documents of the ratios to ``full``
+        on the same document: ``kv_ratio``, ``peak_memory_ratio``, ``prefill_ratio`` (full's TTFT / the method's:
+        > 1 is faster), ``decode_ratio`` (tokens/s over full's); ``roofline_fraction`` when measurable.
+    """
+    from ..kernels.roofline import roofline_fraction
+
+    rows = []
+    for label in dict.fromkeys(r["method"] for r in records):
+        mine = [r for r in records if r["method"] == label]
+        ok = [r for r in mine if r["status"] == "ok"]
+        row = {
+            "method": label, "n": len(ok), "failed": len(mine) - len(ok),
+            "correct": sum(bool(r["extra"].get("correct")) for r in ok),
+            "correct_contains": sum(bool(r["extra"].get("correct_contains")) for r in ok),
+            "kv_bytes": median_or_none([r.get("kv_cache_bytes_prefill") for r in ok]),
+            "kv_ratio": _per_doc_ratio(records, label, "kv_cache_bytes_prefill"),
+            "peak_memory_ratio": _per_doc_ratio(records, label, "peak_memory_bytes"),
+            "prefill_ratio": _per_doc_ratio(records, label, "ttft_s", invert=True),
+            "decode_ratio": _per_doc_ratio(records, label, "tokens_per_s"),
+            "shared_prefill": any(r["extra"].get("shared_prefill") for r in ok),
+        }
+        if bandwidth_gbps and weight_bytes:
+            row["roofline_fraction"] = median_or_none([
+                roofline_fraction(r.get("tokens_per_s"), bandwidth_gbps, weight_bytes, r.get("kv_cache_bytes_final"))
+                for r in ok])
+        rows.append(row)
+    return rows
+
+
+def niah_docs_markdown(rows: list[dict]) -> str:
+    """The rows of :func:`niah_docs_rows` as a Markdown table (ratios to ``full`` on the same documents)."""
+    roofline = any("roofline_fraction" in r for r in rows)
+    header = ["method", "correct", "K/V bytes", "K/V vs full", "peak mem vs full", "prefill speed vs full",
+              "decode speed vs full"] + (["decode / roofline"] if roofline else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for r in rows:
+        correct = f"{r['correct']}/{r['n']}" + (f" ({r['failed']} failed)" if r["failed"] else "")
+        cells = [r["method"], correct, format_bytes(r["kv_bytes"]), _num(r["kv_ratio"], ".3f"),
+                 _num(r["peak_memory_ratio"], ".2f"),
+                 _num(r["prefill_ratio"], ".2f") + (" (shared)" if r["shared_prefill"] else ""),
+                 _num(r["decode_ratio"], ".2f")]
+        if roofline:
+            cells.append(_num(r.get("roofline_fraction"), ".0%"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
