@@ -57,18 +57,47 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: uint8 codes with the last dimension multiplied by ``8 // bits``."""
+    """Inverse of :func:`pack`: uint8 codes with the last dimension multiplied by ``8 // bits``.
+
+    Works in uint8 throughout (one shift and mask per code position), so a decode step's unpack moves bytes, not
+    int32 words."""
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> (i * bits)) & mask for i in range(per)], dim=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """``unpack(codes) * scale + zero`` in the scale's dtype."""
-    return unpack(codes, bits).to(scale.dtype) * scale + zero
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``unpack(codes) * scale + zero`` in the scale's dtype; written into ``out`` (shaped as the result) when given,
+    so a decode step reuses one buffer instead of allocating."""
+    if out is None:
+        return unpack(codes, bits).to(scale.dtype) * scale + zero
+    out.copy_(unpack(codes, bits))
+    return out.mul_(scale).add_(zero)
+
+
+class _Scratch:
+    """One reusable [B, Hkv, S, D] K and V buffer pair, shared by the layers of a :class:`KVQuant` cache (layers
+    attend one at a time), grown when a layer needs more slots: the dequantized keys and values of the current layer
+    plus its residual, without an allocation or a concatenation per layer and step. Its size is one layer's K/V in
+    the compute dtype, a transient working buffer, not held K/V."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def get(self, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, _, D = like.shape
+        k = self.k
+        if k is None or k.shape[0] != B or k.shape[1] != H or k.shape[3] != D or k.shape[2] < slots \
+                or k.dtype != like.dtype or k.device != like.device:
+            room = max(slots, 2 * (k.shape[2] if k is not None and k.shape[:2] == (B, H) else 0), 64)
+            self.k = like.new_empty(B, H, room, D)
+            self.v = like.new_empty(B, H, room, D)
+        return self.k[:, :, :slots], self.v[:, :, :slots]
 
 
 class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
@@ -89,8 +118,10 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
         int64 [B, Hkv, N] sequence positions of the quantized slots.
     """
 
-    def __init__(self, bits: int, key_axis: str, value_axis: str, group: int, residual: int):
+    def __init__(self, bits: int, key_axis: str, value_axis: str, group: int, residual: int,
+                 scratch: _Scratch | None = None):
         super().__init__()
+        self.scratch = scratch if scratch is not None else _Scratch()
         self.bits, self.key_axis, self.value_axis, self.group, self.residual = bits, key_axis, value_axis, group, residual
         self.key_codes = self.value_codes = None
         self.key_scale = self.key_zero = self.value_scale = self.value_zero = None
@@ -108,11 +139,13 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
         codes, scale, zero = quantize(x.reshape(B, H, n // self.group, self.group, D), self.bits, dim=3)
         return codes.reshape(B, H, n, -1), scale, zero
 
-    def _dequantize(self, codes, scale, zero, axis: str) -> torch.Tensor:
+    def _dequantize(self, codes, scale, zero, axis: str, out: torch.Tensor | None = None) -> torch.Tensor:
         if axis == "token":
-            return dequantize(codes, scale, zero, self.bits)
+            return dequantize(codes, scale, zero, self.bits, out=out)
         B, H, n, _ = codes.shape
         grouped = codes.reshape(B, H, n // self.group, self.group, -1)
+        if out is not None:  # a slice along the slot axis of the scratch buffer: splitting that axis is a view
+            return dequantize(grouped, scale, zero, self.bits, out=out.view(B, H, n // self.group, self.group, -1))
         return dequantize(grouped, scale, zero, self.bits).reshape(B, H, n, -1)
 
     def quantize_overflow(self) -> None:
@@ -137,12 +170,17 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
         self.keep(torch.arange(n, self.held, device=self.keys.device))
 
     def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, N + R, D] dequantized + full-precision K and V (a transient copy, one layer at a time)."""
+        """[B, Hkv, N + R, D] dequantized + full-precision K and V, written into the shared scratch buffer (valid
+        until the next layer's call; one layer at a time)."""
         if self.key_codes is None:
             return self.keys, self.values
-        k = self._dequantize(self.key_codes, self.key_scale, self.key_zero, self.key_axis).to(self.keys.dtype)
-        v = self._dequantize(self.value_codes, self.value_scale, self.value_zero, self.value_axis).to(self.values.dtype)
-        return torch.cat([k, self.keys], dim=2), torch.cat([v, self.values], dim=2)
+        n, r = self.quantized, self.held
+        k, v = self.scratch.get(self.keys, n + r)
+        self._dequantize(self.key_codes, self.key_scale, self.key_zero, self.key_axis, out=k[:, :, :n])
+        self._dequantize(self.value_codes, self.value_scale, self.value_zero, self.value_axis, out=v[:, :, :n])
+        k[:, :, n:].copy_(self.keys)
+        v[:, :, n:].copy_(self.values)
+        return k, v
 
     def attend(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
         k, v = self.full_kv()
@@ -245,7 +283,11 @@ class KVQuant(KVMethod):
         return self.method.name == "full"
 
     def make_layer(self, layer_idx: int) -> QuantizedLayer:
-        return QuantizedLayer(self.bits, self.key_axis, self.value_axis, self.group, self.residual)
+        # the layers of one cache share one dequantization buffer: layer 0 starts a cache, and a new one
+        scratch = getattr(self, "_scratch", None)
+        if layer_idx == 0 or scratch is None:
+            scratch = self._scratch = _Scratch()
+        return QuantizedLayer(self.bits, self.key_axis, self.value_axis, self.group, self.residual, scratch)
 
     def make_cache(self, model: torch.nn.Module) -> OwnedAttentionCache:
         """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done)."""
