@@ -533,7 +533,7 @@ def test_errors_in_the_other_tabs_stay_in_their_columns(app):
     assert errors(vision_sweep(client, "none", "fastv", model="micro-lm")[1], "vision-language model")
     assert errors(spec_bench(client, "autoregressive", "prompt_lookup", sets=())[1], "prompt set")
     status, table, plot = client.predict("-5", "256", "32", ["prefill"], 1, api_name="/kernels")
-    assert status.startswith("**error**") and "positive integers" in status and table["data"] == [] and plot is None
+    assert status.startswith("**error**") and "whole numbers" in status and table["data"] == [] and plot is None
     # a bad column next to good ones: only that column fails
     result = generation(client, "autoregressive", "jacobi:bogus=1", max_new=6)
     (ok_html, ok), (bad_html, _) = columns(result)[:2]

@@ -137,18 +137,22 @@ def test_sampled_columns_are_seeded_and_scored():
     tab = ARGenerationTab(ctx)
 
     def last(*specs, seed):
+        """The last output of a request, its pictures read while the request's folder exists (it is removed when
+        the request ends)."""
         padded = [*specs, "", "", ""][:4]
-        out = list(tab.ar_generation("micro-ar", IMAGE_PROMPT, "image", 1.0, seed, 32, 1, len(specs), *padded,
-                                     progress=lambda *a, **k: None))[-1]
-        return out[0], [{r[0]: r[1] for r in out[3 + 2 * i]["data"]} for i in range(len(specs))], out[10:12]
+        out, seen = None, []
+        for out in tab.ar_generation("micro-ar", IMAGE_PROMPT, "image", 1.0, seed, 32, 1, len(specs), *padded,
+                                     progress=lambda *a, **k: None):
+            seen = [pixels(p) if p else None for p in out[10:12]]
+        return out[0], [{r[0]: r[1] for r in out[3 + 2 * i]["data"]} for i in range(len(specs))], seen
 
     status, (ar, sjd), pictures = last("autoregressive", "sjd:init=neighbour", seed=3)
     assert "sampled at temperature 1" in status
     assert ar["identical to AR (greedy)"] is None and sjd["identical to AR (greedy)"] is None
     assert 0.5 < ar["palette accuracy"] <= 1 and 0.5 < sjd["palette accuracy"] <= 1
-    first = pixels(pictures[1])  # read now: the next request removes this request's folder
+    first = pictures[1]
     _, (again,), pictures2 = last("sjd:init=neighbour", seed=3)
-    assert np.array_equal(first, pixels(pictures2[0]))  # the same seed paints the same picture
+    assert np.array_equal(first, pictures2[0])  # the same seed paints the same picture
     assert again["palette accuracy"] == sjd["palette accuracy"]
 
 

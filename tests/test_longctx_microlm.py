@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_longctx_methods import COMPRESSING, UNBOUNDED, _perhead_reference
+from test_longctx_methods import COMPRESSING, UNBOUNDED, _live_positions, _perhead_reference
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -47,7 +47,7 @@ def test_decode_logits_after_compression_match_per_head_reference_on_micro_lm(na
         logits.append(micro(ids[:, :PROMPT], past_key_values=cache, use_cache=True).logits[:, -1])
         assert all(layer.held == 48 for layer in cache.layers)
         for t in range(PROMPT, PROMPT + steps):
-            held.append([layer.positions.clone() for layer in cache.layers])
+            held.append([_live_positions(layer) for layer in cache.layers])
             logits.append(micro(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
     total = PROMPT + steps
     reference = _load()
