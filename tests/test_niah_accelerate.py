@@ -99,8 +99,11 @@ def test_run_niah_shards_merge_in_the_single_process_order(micro_lm, tmp_path, m
 
     model, tok = micro_lm
     args = (model, tok, ["full", "streaming:window=128"], [256, 384], [0.0, 1.0])
+    hay = tmp_path / "hay.txt"  # a small haystack: the built-in prose takes seconds to tokenize, three times here
+    hay.write_text(" ".join(f"The {w} river runs past the {v} hill near the old mill." for w in
+                            ("red", "green", "slow", "wide", "cold") for v in ("north", "south", "east", "west")) * 12)
     kw = {"trials": 1, "max_new_tokens": 8, "warmup": 1, "progress": False, "chat_template": "off",
-          "shared_prefill": False}  # every method through generate_measured, where the spy counts warm-ups
+          "shared_prefill": False, "haystack": hay}  # every method through generate_measured (the spy counts warm-ups)
     one = run_niah(*args, out_dir=tmp_path / "one", **kw)
     warmups = []
     measured = niah.generate_measured
