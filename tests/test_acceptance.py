@@ -43,6 +43,7 @@ def test_streaming_answers_when_the_needle_is_inside_its_window(micro_lm):
     "point at; SnapKV at budget 256 answers 3 of these 8 seeds at 4k (full: 8/8), its misses wrong in digits 2-3 "
     "(see studies/snapkv_diagnosis/). Real models with sinks are measured in assets/models/smollm2-135m.",
 )
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_snapkv_256_answers_the_4k_needle_over_8_seeds(micro_lm):
     model, tok = micro_lm
     hits = {"full": 0, "snapkv:budget=256": 0}

@@ -113,6 +113,7 @@ def tail(path: Path, n: int = 3000) -> str:
     return path.read_text(encoding="utf-8", errors="replace")[-n:]
 
 
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_mmaccel_app_serves_from_a_plain_install(tmp_path):
     """``pip install`` (not editable) into a fresh venv, ``cd /``, ``mmaccel app --port P`` serves the workbench, and
     the serving process runs the venv's copy of ``mmaccel`` and ``mmaccel.apps``, not the checkout's."""

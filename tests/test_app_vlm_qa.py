@@ -124,6 +124,7 @@ def test_video_frames_and_uploaded_video(app):
     assert cols[0][1]["visual tokens"] == 2 * VISUAL and cols[0][1]["visual tokens kept"] == 2 * VISUAL // 4
 
 
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_errors_stay_in_their_column_then_a_good_request(app):
     client, tmp, vlm = app.client, app.tmp, app.vlm
     baseline = ("none", "", "")

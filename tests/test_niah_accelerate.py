@@ -153,6 +153,7 @@ def test_run_niah_sharded_errors(micro_lm, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- acceptance
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 @pytest.mark.timeout(600)
 def test_accelerate_launch_two_cpu_processes_give_the_one_process_summary(capsys, tmp_path):
     """Budget: about 60 s on an idle 2-core machine (process start-up dominates), several times that under load."""

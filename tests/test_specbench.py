@@ -89,6 +89,7 @@ def test_registry_resolves_drafters_and_peers():
     assert build_speculative_method("hf_early_exit:layers=3").generate_kwargs(None) == {"assistant_early_exit": 3}
 
 
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_tiny_random_llama_with_a_draft_object_is_identical(tmp_path):
     model, tok = tiny_model_and_tokenizer()
     draft = tiny_llama(layers=1, heads=4, kv_heads=2, head_dim=16, max_positions=2048, tokenizer=tok, seed=3)
