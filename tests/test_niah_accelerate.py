@@ -94,6 +94,7 @@ def micro_lm():
     return load("micro-lm", device="cpu")
 
 
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_run_niah_shards_merge_in_the_single_process_order(micro_lm, tmp_path, monkeypatch):
     from mmaccel.eval import niah
 

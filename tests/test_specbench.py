@@ -154,6 +154,7 @@ def test_summary_marks_sampling_runs_as_not_compared():
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
+@pytest.mark.slow  # 30-60 s on 2 cores; covered in part by faster tests; CI stays inside 25 minutes
 def test_spec_bench_cli_end_to_end(capsys, tmp_path):
     rc, out, err = _run(capsys, "spec-bench", "--model", "micro-lm", "--draft", "micro-draft", "--methods", "draft",
                         "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "--prompts", "both", "--n-prompts", "1",
