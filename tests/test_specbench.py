@@ -215,3 +215,82 @@ def test_python_api_bad_inputs(micro):
     rec = generate_measured(model, tok, [1, 5, 6, 7], method="draft", max_new_tokens=4, warmup=0, temperature=0.8)
     assert rec.ok and rec.new_tokens <= 4 and "acceptance_rate" in rec.telemetry  # sampling runs too
     assert torch.get_num_threads() == 1
+
+
+# ------------------------------------------------------------------------------------ code prompts, a shared draft
+def test_code_prompt_sets_are_seeded_and_shaped():
+    from mmaccel.data.code_prompts import CODE_PROMPT_SETS, FUNCTIONS, code_prompts
+
+    assert CODE_PROMPT_SETS == ("code-completion", "code-edit") and len(FUNCTIONS) >= 8
+    for name in CODE_PROMPT_SETS:
+        a, b = code_prompts(name, 8, seed=0), code_prompts(name, 8, seed=0)
+        assert a == b and len(a) == 8 and len({p.function for p in a}) == 8
+        assert code_prompts(name, 8, seed=1) != a
+        assert all(p.user.strip() and p.lead.startswith("```python\n") for p in a)
+    for p in code_prompts("code-completion", 12):  # signature + docstring, no body: the free set
+        assert p.task == "complete" and f"def {p.function}(" in p.user and '"""' in p.user
+        assert "\n    return" not in p.user and p.lead.endswith('"""\n') and f"def {p.function}(" in p.lead
+    edits = code_prompts("code-edit", 12)
+    assert {p.task for p in edits} == {"rename_variable", "rename_function", "add_parameter"}
+    for p in edits:  # a whole function and an instruction: the copy-heavy set
+        signature = next(f[0] for f in FUNCTIONS if f[0].startswith(f"def {p.function}("))
+        body = next(f[2] for f in FUNCTIONS if f[0] == signature)
+        assert signature in p.user and body in p.user and "\n    return" in p.user and p.lead == "```python\n"
+        assert p.user.index("`") < p.user.index("```python")  # the instruction comes first
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match="ask for 1 to 12"):
+            code_prompts("code-edit", bad)
+    with pytest.raises(ValueError, match="unknown code prompt set"):
+        code_prompts("code", 2)
+
+
+def test_code_prompt_sets_through_spec_bench(micro):
+    _, tok = micro
+    from mmaccel.eval.specbench import prompt_set_names
+
+    plain = build_prompt_set(tok, "code-edit", n=2, seed=3)
+    assert [p.task for p in plain] == [p.task for p in build_prompt_set(tok, "code-edit", n=2, seed=3)]
+    assert plain[0].text.endswith("```python\n") and plain[0].input_ids.shape[1] > 40
+    assert prompt_set_names(["both", "code-edit", "free"]) == ["free", "copy", "code-edit"]
+    with pytest.raises(ValueError, match="--n-prompts 12 or fewer"):
+        prompt_set_names(["code-completion"], 13)
+    with pytest.raises(ValueError, match="unknown prompt set 'cod'"):
+        prompt_set_names("cod")
+
+
+def test_two_model_pair_on_code_prompts_shares_one_draft(micro, capsys, tmp_path):
+    """micro-lm + micro-draft on both code sets: one draft object for the engine's draft model, the cascade's and
+    transformers' assistant, each peer's schedule put back after its call; transformers' assisted decoding and the
+    prompt-lookup -> draft cascade token-identical to greedy; too many code prompts refused before loading."""
+    from mmaccel.pipeline import resolve_methods
+    from mmaccel.speculative import share_draft_models
+
+    model, tok = micro
+    specs = ["draft", "hf_assisted:schedule=constant", "hf_assisted:schedule=heuristic:num_tokens=3",
+             "cascade:first=prompt_lookup:then=draft:then_k=3"]
+    resolved = resolve_methods(specs, draft="micro-draft")
+    loaded = share_draft_models([obj for obj, _ in resolved], model)
+    shared = loaded["micro-draft"][0]
+    assert list(loaded) == ["micro-draft"]
+    assert resolved[0][0].drafter.model is shared and resolved[3][0].drafter.then.model is shared
+    assert resolved[1][0].model is shared and resolved[2][0].model is shared
+    gc = shared.generation_config
+    before = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
+    with resolved[2][0].configured(model):
+        assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule) == (3, "heuristic")
+    assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule) == before
+
+    res = run_spec_bench(model, tok, specs[2:], prompts=["code-completion", "code-edit"], n_prompts=1,
+                         max_new_tokens=6, repeats=1, warmup=0, draft="micro-draft", out_dir=tmp_path)
+    for name in ("code-completion", "code-edit"):
+        rows = res.summary["sets"][name]
+        assert list(rows) == ["full", *specs[2:]]
+        assert all(row["identical"] == row["compared"] == 1 for label, row in rows.items() if label != "full")
+    assert {r.extra["task"] for r in res.records if r.extra["prompt_set"] == "code-completion"} == {"complete"}
+    cascade = [r for r in res.records if r.method.startswith("cascade")]
+    assert all(r.telemetry["drafter_telemetry"]["then"]["draft_model"].endswith("micro-draft") for r in cascade)
+    capsys.readouterr()
+    rc, _, err = _run(capsys, "spec-bench", "--model", "micro-lm", "--prompts", "code-edit", "--n-prompts", "13",
+                      "--out", str(tmp_path / "bad"))
+    assert rc == 2 and err.startswith("error: ") and "--n-prompts 12 or fewer" in err
+    assert not (tmp_path / "bad" / "results.jsonl").exists()

@@ -11,6 +11,7 @@ from mmaccel.speculative import (
     METHODS,
     Cascade,
     DraftModel,
+    DraftTree,
     Eagle,
     EagleHead,
     EagleHeadConfig,
@@ -254,8 +255,22 @@ def test_cascade_copies_or_drafts_and_stays_exact(tiny):
     assert isinstance(spec.first, PromptLookup) and spec.first.max_ngram == 4
 
 
-def test_cascade_refuses_a_draft_model(tiny):
+def test_cascade_with_a_draft_model_stays_exact(tiny):
+    """prompt lookup in front of a draft LM: the draft's cache holds only committed tokens, so after the steps it sat
+    out it catches up in one forward; the output is plain greedy decoding. A tree drafter is refused."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11] * 4 + [40, 41]])
+    ref = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    draft = DraftModel(tiny_llama(layers=1, vocab_size=128, seed=1))
+    drafter = Cascade(PromptLookup(verify_cost=0.0), draft, then_k=3)
+    out = speculative_generate(tiny, ids, drafter, max_new_tokens=30, num_draft_tokens=8, eos_token_id=None)
+    assert torch.equal(out.sequences, ref)
+    tel = out.drafter_telemetry
+    assert tel["first"]["steps"] > 0 and tel["then"]["steps"] > 0
+    assert tel["then"]["draft_forwards"] >= tel["then"]["steps"]
+    alone = speculative_generate(tiny, ids, DraftModel(draft.model), max_new_tokens=30, num_draft_tokens=3,
+                                 eos_token_id=None)
+    assert torch.equal(alone.sequences, ref)
     with pytest.raises(ValueError, match="cannot share steps"):
-        Cascade(PromptLookup(), DraftModel(tiny_llama(layers=1, vocab_size=128, seed=1)))
+        Cascade(PromptLookup(), DraftTree(tiny_llama(layers=1, vocab_size=128, seed=1)))
     with pytest.raises(ValueError, match="then_k"):
         Cascade(PromptLookup(), Eagle(_head(tiny)), then_k=0)

@@ -17,6 +17,9 @@ Prompt sets (built offline)
   (:func:`mmaccel.data.haystack.stdlib_paragraphs` ``"eval"``) given in the prompt; the answer copies from it (the
   regime where prompt lookup shines: Saxena, 2023; Dumitru et al., 2025, arXiv 2502.08923). The answer starts with
   the text's first words, so base models without a chat template copy too.
+- ``code-completion`` (free) and ``code-edit`` (copy-heavy): a coder model's own two regimes
+  (:mod:`mmaccel.data.code_prompts`): complete a function's body from its signature and docstring; rewrite a given
+  function with a variable or the function renamed or a parameter added. ``both`` means ``free`` and ``copy``.
 
 Timing: one warm-up per method first (unrecorded), then per prompt every method in turn (so a load spike hits all
 methods alike), each the median of ``repeats`` runs. ``tokens_per_s`` in the summary is end to end (all new tokens
@@ -37,15 +40,17 @@ from pathlib import Path
 import torch
 
 from ..kernels.packed_linear import PackedLinears
+from ..data.code_prompts import CODE_PROMPT_SETS, FUNCTIONS, code_prompts
 from ..data.prompts import COPY_TASKS, FREE_PROMPTS, add_typos
 from ..pipeline import check_temperature, resolve_methods
+from ..speculative import share_draft_models
 from .generation import RunRecord, generate_measured, load_average
 from .sweep import Cell as SweepCell
 from .sweep import check_out_dir, finished_records, sweep
 
 logger = logging.getLogger(__name__)
 
-PROMPT_SETS = ("free", "copy")
+PROMPT_SETS = ("free", "copy", *CODE_PROMPT_SETS)
 DEFAULT_METHODS = ("draft", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
 BASELINE = "full"
 
@@ -55,11 +60,12 @@ class BenchPrompt:
 
     Attributes
     ----------
-    prompt_set : {"free", "copy"}
+    prompt_set : {"free", "copy", "code-completion", "code-edit"}
     prompt_id : int
         Index within its set.
     task : str
-        ``"chat"`` for free prompts; ``"edit"``, ``"repeat"`` or ``"summarise"`` for copy-heavy ones.
+        ``"chat"`` for free prompts; ``"edit"``, ``"repeat"`` or ``"summarise"`` for copy-heavy ones; the
+        :class:`~mmaccel.data.code_prompts.CodePrompt` task for code prompts.
     text : str
         The prompt as a string (after the chat template, when used).
     input_ids : torch.LongTensor
@@ -91,14 +97,15 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
     Parameters
     ----------
     tokenizer : a Hugging Face tokenizer
-    name : {"free", "copy"}
-        ``"free"``: :data:`FREE_PROMPTS`; ``"copy"``: :data:`COPY_TASKS` in turn over held-out stdlib paragraphs.
+    name : {"free", "copy", "code-completion", "code-edit"}
+        ``"free"``: :data:`FREE_PROMPTS`; ``"copy"``: :data:`COPY_TASKS` in turn over held-out stdlib paragraphs;
+        the code sets: :func:`mmaccel.data.code_prompts.code_prompts`.
     n : int
-        Prompts, ``>= 1`` (free prompts repeat after :data:`FREE_PROMPTS` runs out).
+        Prompts, ``>= 1`` (free prompts repeat after :data:`FREE_PROMPTS` runs out; at most 12 code prompts).
     chat_template : bool
         Wrap the user turn in the tokenizer's chat template (the answer lead follows the generation prompt).
     seed : int
-        Picks the paragraphs and the typos of the copy set.
+        Picks the paragraphs and the typos of the copy set, the functions and edits of the code sets.
     min_chars, max_chars : int
         Length range of the paragraphs, characters.
 
@@ -109,13 +116,19 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
     Raises
     ------
     ValueError
-        An unknown set name, ``n < 1``, or too few paragraphs in the length range.
+        An unknown set name, ``n < 1``, too few paragraphs in the length range, or more code prompts than
+        functions.
     """
     if name not in PROMPT_SETS:
-        raise ValueError(f"unknown prompt set {name!r}; choose free, copy or both")
+        raise ValueError(f"unknown prompt set {name!r}; choose {', '.join(PROMPT_SETS)} or both")
     if n < 1:
         raise ValueError(f"need at least one prompt per set, got n={n}")
     out = []
+    if name in CODE_PROMPT_SETS:
+        for i, cp in enumerate(code_prompts(name, n, seed)):
+            text, ids = _encode(tokenizer, cp.user, cp.lead, chat_template)
+            out.append(BenchPrompt(name, i, cp.task, text, ids))
+        return out
     if name == "free":
         for i in range(n):
             text, ids = _encode(tokenizer, FREE_PROMPTS[i % len(FREE_PROMPTS)], "", chat_template)
@@ -133,6 +146,29 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
         start = " ".join(para.split()[:3])
         text, ids = _encode(tokenizer, f"{instruction}\n\n{shown}", f"{lead} {start}", chat_template)
         out.append(BenchPrompt("copy", i, task, text, ids))
+    return out
+
+
+def prompt_set_names(prompts: str | Sequence[str], n_prompts: int | None = None) -> list[str]:
+    """The prompt sets a ``prompts`` argument names, in order, without repeats (``"both"``: free and copy).
+
+    Raises
+    ------
+    ValueError
+        An unknown set name (the message lists the sets), or ``n_prompts`` (when given) above the 12 functions of
+        the code sets.
+    """
+    names = [prompts] if isinstance(prompts, str) else list(prompts)
+    out: list[str] = []
+    for name in names:
+        for s in (("free", "copy") if name == "both" else (name,)):
+            if s not in PROMPT_SETS:
+                raise ValueError(f"unknown prompt set {s!r}; choose {', '.join(PROMPT_SETS)} or both")
+            if s not in out:
+                out.append(s)
+    limit = len(FUNCTIONS)
+    if n_prompts is not None and n_prompts > limit and any(s in CODE_PROMPT_SETS for s in out):
+        raise ValueError(f"the code prompt sets have {limit} prompts; use --n-prompts {limit} or fewer")
     return out
 
 
@@ -239,7 +275,7 @@ def run_spec_bench(
         Specs resolved by :func:`~mmaccel.eval.generation.resolve_method`: drafters (``"draft"``,
         ``"prompt_lookup:max_ngram=3"``, ``"jacobi"``), transformers peers (``"hf_assisted"``,
         ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``) or KV-cache methods.
-    prompts : {"free", "copy", "both"} or a sequence of set names
+    prompts : {"free", "copy", "code-completion", "code-edit", "both"} or a sequence of them
     n_prompts : int
         Prompts per set.
     max_new_tokens : int
@@ -287,13 +323,11 @@ def run_spec_bench(
     if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
         raise ValueError(f"need max_new_tokens, repeats, n_prompts >= 1 and warmup >= 0; got {max_new_tokens}, "
                          f"{repeats}, {n_prompts}, {warmup}")
-    sets = list(PROMPT_SETS) if prompts == "both" else [prompts] if isinstance(prompts, str) else list(prompts)
-    for s in sets:
-        if s not in PROMPT_SETS:
-            raise ValueError(f"unknown prompt set {s!r}; choose free, copy or both")
+    sets = prompt_set_names(prompts, n_prompts)
     methods = [methods] if isinstance(methods, str) else list(methods)
     out_dir = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
     resolved = resolve_methods([baseline] + [m for m in methods if m != baseline], draft=draft)
+    share_draft_models([obj for obj, _ in resolved], model)  # one copy of each named draft for every method
     for obj, _ in resolved:
         prepare = getattr(obj, "prepare", None)
         if callable(prepare) and hasattr(obj, "timed_generate"):

@@ -37,6 +37,7 @@ from .harness import (
     TransformersPeer,
     build_speculative_method,
     is_speculative_spec,
+    share_draft_models,
     speculative_method_names,
 )
 from .jacobi import Jacobi
@@ -121,6 +122,7 @@ __all__ = [
     "residual_distribution",
     "save_head",
     "search_skip_layers",
+    "share_draft_models",
     "skipping_layers",
     "speculative_generate",
     "speculative_method_names",

@@ -44,7 +44,7 @@ class Cascade(Drafter):
     ------
     ValueError
         An unknown nested spec, ``then_k < 1``, or a drafter whose state only its own drafts can update
-        (``observes_any_draft`` false, e.g. ``draft``).
+        (``observes_any_draft`` false, e.g. a tree drafter).
     """
 
     name: ClassVar[str] = "cascade"

@@ -58,7 +58,9 @@ class DraftModel(Drafter):
     Speculative Sampling", 2023, arXiv 2302.01318).
 
     The draft keeps its own ``DynamicCache`` across steps and crops it to the tokens the target kept, so each step
-    costs ``k`` one-or-two-token draft forwards. Greedy decoding drafts the argmax; sampling draws from the draft's
+    costs ``k`` one-or-two-token draft forwards. Its cache only ever holds committed tokens after a verification,
+    so it can share steps with another drafter (``cascade:first=prompt_lookup:then=draft``): a step it did not
+    draft leaves its cache behind, and its next proposal feeds the missing tokens in one forward. Greedy decoding drafts the argmax; sampling draws from the draft's
     distribution filtered like the target's and hands it (``q``, [B, k, V]) to verification.
 
     Parameters
@@ -83,6 +85,7 @@ class DraftModel(Drafter):
     """
 
     name: ClassVar[str] = "draft"
+    observes_any_draft: ClassVar[bool] = True
 
     def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None, stop_below: float | None = None):
         if stop_below is not None and not 0.0 < float(stop_below) < 1.0:
@@ -134,6 +137,7 @@ class DraftModel(Drafter):
                                           capacity=2 * input_ids.shape[1] + 64)
         self._forwards = 0
         self._proposed = 0
+        self._last = None  # (the last Draft this drafter returned, the sequence length it was proposed after)
 
     def _forward(self, tokens: torch.Tensor, end: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Run the draft on the new ``tokens`` [B, n], the sequence's columns ``end - n .. end - 1``; returns the
@@ -180,7 +184,9 @@ class DraftModel(Drafter):
         self._proposed += len(tokens)
         draft_tokens = torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0]
         draft_probs = None if sampler.greedy else torch.stack(probs, dim=1)
-        return Draft(tokens=draft_tokens, probs=draft_probs, forwards=self._forwards - forwards0)
+        draft = Draft(tokens=draft_tokens, probs=draft_probs, forwards=self._forwards - forwards0)
+        self._last = (draft, T)
+        return draft
 
     @staticmethod
     def model_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -188,14 +194,17 @@ class DraftModel(Drafter):
         return logits.float().softmax(dim=-1)
 
     def observe(self, target_logits, draft: Draft, kept: int) -> None:
-        """Crop the draft cache to the committed tokens (the previous sequence + ``kept`` draft tokens)."""
-        held = self._cache.get_seq_length()
-        # the cache holds the previous sequence + d_1 .. d_{k-1}; d_1 .. d_kept stay valid
-        crop_cache(self._cache, held - (draft.length - 1) + kept if draft.length else held)
+        """Crop the draft cache to the committed tokens (the previous sequence + ``kept`` draft tokens); a step
+        another drafter drafted (or an empty one) leaves the cache as it is: it holds committed tokens only."""
+        if self._last is None or self._last[0] is not draft:
+            return
+        # the cache holds the previous sequence (T tokens) + d_1 .. d_{k-1}; d_1 .. d_kept stay valid
+        crop_cache(self._cache, self._last[1] + kept)
+        self._last = None
 
     def end(self) -> dict:
         """Free the draft cache; report draft forwards and tokens."""
         telemetry = {"draft_model": str(getattr(self.model, "name_or_path", self.model_ref)),
                      "draft_forwards": self._forwards, "draft_tokens": getattr(self, "_proposed", 0)}
-        self._cache = None
+        self._cache = self._last = None
         return telemetry

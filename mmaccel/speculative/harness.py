@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -221,6 +222,11 @@ class TransformersPeer:
     def _assistant(self):
         return None
 
+    def configured(self, model):
+        """A context in which ``model.generate(**generate_kwargs())`` runs this peer as configured (settings that
+        live outside the call, e.g. an assistant's generation config, are put back on exit); nothing by default."""
+        return nullcontext()
+
     def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict,
                        model_inputs: dict | None = None) -> dict:
         """One ``model.generate`` with this peer's kwargs (and a VLM's ``model_inputs``); acceptance and timings from
@@ -235,7 +241,7 @@ class TransformersPeer:
         extra = self.generate_kwargs(model)
         L = int(input_ids.shape[1])
         device = input_ids.device
-        with _ForwardLog(model, self._assistant()) as log:
+        with self.configured(model), _ForwardLog(model, self._assistant()) as log:
             synchronize(device)
             t0 = time.perf_counter()
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -343,12 +349,23 @@ class HFAssisted(TransformersPeer):
     def generate_kwargs(self, model) -> dict:
         if self.model is None:
             raise RuntimeError("hf_assisted: call prepare(model, tokenizer) first")
-        gc = self.model.generation_config
-        if self.num_tokens is not None:
-            gc.num_assistant_tokens = self.num_tokens
-        if self.schedule is not None:
-            gc.num_assistant_tokens_schedule = self.schedule
         return {"assistant_model": self.model}
+
+    @contextmanager
+    def configured(self, model):
+        """``num_assistant_tokens`` and its schedule set on the assistant's generation config for one call and put
+        back after it, so peers sharing one assistant object (``hf_assisted:schedule=constant`` beside
+        ``hf_assisted:schedule=heuristic``) do not see each other's settings."""
+        gc = self.model.generation_config
+        saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
+        try:
+            if self.num_tokens is not None:
+                gc.num_assistant_tokens = self.num_tokens
+            if self.schedule is not None:
+                gc.num_assistant_tokens_schedule = self.schedule
+            yield
+        finally:
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
 
 
 class HFPromptLookup(TransformersPeer):
@@ -423,6 +440,52 @@ PEERS: dict[str, type[TransformersPeer]] = {
     "hf_prompt_lookup": HFPromptLookup,
     "hf_early_exit": HFEarlyExit,
 }
+
+
+def _holders(method):
+    """``method`` and the drafters inside it (a :class:`SpeculativeMethod`'s drafter, a cascade's two)."""
+    stack = [method]
+    while stack:
+        obj = stack.pop()
+        yield obj
+        stack.extend(c for c in (getattr(obj, a, None) for a in ("drafter", "first", "then"))
+                     if c is not None and not isinstance(c, str))
+
+
+def share_draft_models(methods, target) -> dict:
+    """Load each draft/assistant model that ``methods`` name (``model_ref`` strings of :class:`DraftModel` drafters,
+    cascades included, and of :class:`HFAssisted`) once, and hand the one object to every method naming it, so that
+    ``draft``, ``hf_assisted:schedule=constant`` and ``hf_assisted:schedule=heuristic`` run the same weights in one
+    process without holding three copies (a 0.5B draft is 2.5 GB in float32).
+
+    Parameters
+    ----------
+    methods : iterable
+        Resolved methods (objects that are not speculative are skipped).
+    target : transformers.PreTrainedModel
+        Drafts load on its device and dtype.
+
+    Returns
+    -------
+    dict
+        ``{model_ref: (model, tokenizer)}`` of what was loaded.
+
+    Raises
+    ------
+    ValueError
+        As :func:`mmaccel.models.load` for a name it cannot load.
+    """
+    loaded: dict = {}
+    for method in methods:
+        for obj in _holders(method):
+            ref = getattr(obj, "model_ref", None)
+            if not isinstance(obj, (DraftModel, HFAssisted)) or not isinstance(ref, str) or obj.model is not None:
+                continue
+            if ref not in loaded:
+                loaded[ref] = _load_draft(ref, target)
+                logger.info("loaded draft model %s (shared)", ref)
+            obj.model, obj.tokenizer = loaded[ref]
+    return loaded
 
 
 def speculative_method_names() -> list[str]:

@@ -606,6 +606,7 @@ class TreeDrafter(DraftModel):
     """
 
     name: ClassVar[str] = ""
+    observes_any_draft: ClassVar[bool] = False  # its cache keeps the tree nodes of its own last proposal
 
     @property
     def depth(self) -> int:
