@@ -398,8 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafter's own), transformers peers hf_assisted|hf_prompt_lookup|hf_early_exit, or KV-cache "
                         "methods; plain autoregressive decoding ('full') always runs as the baseline "
                         "(default: draft prompt_lookup hf_assisted hf_prompt_lookup)")
-    p.add_argument("--prompts", choices=["free", "copy", "both"], default="both",
-                   help="prompt sets: free (chat requests), copy (edit/repeat/summarise a given text) or both")
+    p.add_argument("--prompts", nargs="+", choices=["free", "copy", "code-completion", "code-edit", "both"],
+                   default=["both"], metavar="SET",
+                   help="prompt sets: free (chat requests), copy (edit/repeat/summarise a given text), "
+                        "code-completion (a function body from its signature and docstring), code-edit (rename or "
+                        "add a parameter to a given function); both = free copy (default)")
     p.add_argument("--n-prompts", type=_positive_int, default=8, help="prompts per set (default 8)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--repeats", type=_positive_int, default=3, help="measured runs per prompt (median; default 3)")
@@ -890,7 +893,7 @@ def cmd_spec_bench(args) -> int:
     the table, writes ``results.jsonl`` and ``summary.json`` (:func:`mmaccel.eval.specbench.run_spec_bench`)."""
     from .pipeline import resolve_methods
     from .data.haystack import resolve_chat_template
-    from .eval.specbench import check_draft_tokenizers, run_spec_bench
+    from .eval.specbench import check_draft_tokenizers, prompt_set_names, run_spec_bench
     from .eval.sweep import check_out_dir
 
     if not 0 <= args.temperature < float("inf"):
@@ -918,6 +921,7 @@ def cmd_spec_bench(args) -> int:
           f"{cfg['warmup']} warm-up")
     print(result.to_markdown())
     print(f"wrote {Path(args.out) / 'results.jsonl'} and summary.json")
+    prompt_set_names(args.prompts, args.n_prompts)
     return 0
 
 
