@@ -901,6 +901,7 @@ def cmd_spec_bench(args) -> int:
     if args.warmup < 0:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     resolved = resolve_methods(["full"] + [m for m in args.methods if m != "full"], draft=args.draft)
+    prompt_set_names(args.prompts, args.n_prompts)
     check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     tokenizer = _load_tokenizer(args)
     chat = resolve_chat_template(tokenizer, args.chat_template)
@@ -921,7 +922,6 @@ def cmd_spec_bench(args) -> int:
           f"{cfg['warmup']} warm-up")
     print(result.to_markdown())
     print(f"wrote {Path(args.out) / 'results.jsonl'} and summary.json")
-    prompt_set_names(args.prompts, args.n_prompts)
     return 0
 
 
