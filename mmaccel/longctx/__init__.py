@@ -36,6 +36,7 @@ from .knorm import KNorm
 from .kvquant import KVQuant
 from .kvzip import KVzip
 from .longheads import LongHeads
+from .minference import MInference, MInferencePattern, search_patterns
 from .pyramidkv import PyramidKV
 from .quest import Quest
 from .registry import METHODS, build_method
@@ -68,6 +69,7 @@ METHODS.update({
     "keydiff": KeyDiff,
     "expected_attention": ExpectedAttention,
     "kvzip": KVzip,
+    "minference": MInference,
 })
 
 
@@ -101,6 +103,9 @@ __all__ = [
     "KeyDiff",
     "ExpectedAttention",
     "KVzip",
+    "MInference",
+    "MInferencePattern",
+    "search_patterns",
     "HeadPattern",
     "load_head_pattern",
     "available_head_patterns",
