@@ -316,7 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak memory a run may take (e.g. 8GiB): report the largest frame count that fits")
     p.add_argument("--vision-batch", type=_positive_int, default=None, metavar="N",
                    help="encode the frames N at a time, keeping only the hidden states the projector reads "
-                        "(fixed-grid LLaVA models); default: all frames in one tower call")
+                        "(fixed-grid LLaVA models); default: all frames in one tower call (16 with --stream)")
+    p.add_argument("--stream", action="store_true",
+                   help="render, encode, reduce and prefill the frames as they come (memory flat in the frame count "
+                        "under an evicting KV method; positions kept inside the LM's range); per-frame methods with "
+                        ":positions=contiguous, e.g. pooling:keep_ratio=0.0625:positions=contiguous+streaming:window=2048")
+    p.add_argument("--memory-meter", choices=["rss", "allocator"], default="rss",
+                   help="CPU peak memory: the sampled RSS growth (default) or torch's CPU allocations under the "
+                        "profiler (exact tensor bytes)")
     _add_repeat_args(p, max_new_tokens=6)
     p.add_argument("--out", default="runs/video-niah", help="output folder (default runs/video-niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -607,13 +614,18 @@ def cmd_video_niah(args) -> int:
     if args.warmup < 0:
         raise CLIError(f"--warmup must be >= 0, got {args.warmup}")
     for spec in args.methods:
-        parse_visual_config(spec)  # bad methods fail before the model loads
+        config = parse_visual_config(spec)  # bad methods fail before the model loads
+        if args.stream:
+            from .eval.video_niah import check_streamed
+
+            check_streamed(config.vision, config.kv)
     check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     model, processor = _load_vlm(args)
     result = video_niah(model, processor, args.methods, args.frames, args.depths, trials=args.trials, seed=args.seed,
                         kind=args.kind, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                         memory_budget=args.memory_budget, vision_batch=args.vision_batch, out_dir=args.out,
-                        progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+                        progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
+                        stream=args.stream, memory_meter=args.memory_meter)
     print(video_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json, {len(result.heatmaps)} heatmap(s) and "
           "peak_memory.png")

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..vision_tokens.batched_tower import BatchedVisionEncoding
+from .memory import PeakMemory, check_cpu_meter
 from .niah import draw_heatmap, safe_label, summarize
 from .visual import (
     NO_REDUCTION,
@@ -92,9 +93,9 @@ def check_video_config(config: VisualConfig, model) -> None:
         (a ``ValueError``) a visual-token method the model does not support.
     """
     from ..longctx import build_method as build_kv
+    from ..pipeline import check_composition
     from ..vision_tokens import UnsupportedModelError
     from ..vision_tokens import build_method as build_vision
-    from ..pipeline import check_composition
 
     if config.vision is None:
         return
@@ -141,6 +142,342 @@ def clip_images(clip) -> list:
     return [Image.fromarray(clip.frame(t)) for t in range(len(clip))]
 
 
+def video_prompt_layout(model, processor, frame, question: str) -> tuple:
+    """The token ids around a video's frames in the model's chat prompt, from a two-frame prompt.
+
+    Parameters
+    ----------
+    model : LlavaForConditionalGeneration
+        Its ``config.image_token_id`` marks the visual tokens.
+    processor : its processor
+    frame : PIL.Image.Image or numpy.ndarray
+        Any one frame (only the ids are read).
+    question : str
+
+    Returns
+    -------
+    (prefix, separator, suffix) : tuple of torch.Tensor
+        int64 [p], [s], [q]: the ids before the first frame's visual tokens, between two frames' (``smol-llava``: one
+        newline), and after the last frame's (the question and the assistant turn).
+
+    Raises
+    ------
+    ValueError
+        A processor that is not a VLM's, or a prompt whose two frames are not two runs of visual tokens of one length.
+    """
+    from PIL import Image
+
+    image = Image.fromarray(frame) if not isinstance(frame, Image.Image) else frame
+    ids = chat_inputs(processor, [image, image], question)["input_ids"][0]
+    visual = (ids == model.config.image_token_id).long()
+    edges = visual.diff(prepend=visual.new_zeros(1), append=visual.new_zeros(1)).nonzero().squeeze(1).tolist()
+    if len(edges) != 4 or edges[1] - edges[0] != edges[3] - edges[2]:
+        raise ValueError("the prompt of two frames does not hold two runs of visual tokens of one length; the "
+                         "streamed path needs a LLaVA-1.5-style prompt (one <image> per frame)")
+    return ids[: edges[0]], ids[edges[1]: edges[2]], ids[edges[3]:]
+
+
+def frame_pixels(image_processor, frames, batch: int):
+    """Processed frames a batch at a time: yields [b, 3, S, S] ``pixel_values`` (``b <= batch``) from an iterable of
+    frames (``[H, W, 3]`` uint8 arrays or PIL images), holding one batch of frames at a time."""
+    from PIL import Image
+
+    held = []
+    for frame in frames:
+        held.append(Image.fromarray(frame) if not isinstance(frame, Image.Image) else frame)
+        if len(held) == batch:
+            yield image_processor(images=held, return_tensors="pt")["pixel_values"]
+            held = []
+    if held:
+        yield image_processor(images=held, return_tensors="pt")["pixel_values"]
+
+
+@dataclass
+class StreamedRun:
+    """What :func:`streamed_generate` did.
+
+    Attributes
+    ----------
+    output_ids : list of int
+        Greedy new tokens (the end-of-sequence token included when reached).
+    frames : int
+    prompt_tokens : int
+        Tokens the language model prefilled (text and kept visual tokens): its last prompt position + 1.
+    visual_tokens, visual_tokens_kept : int
+        Visual tokens before and after the per-frame reduction, summed over the frames.
+    vision_encoder_s, prefill_s, decode_s : float
+        Seconds in the frame encoding (processor excluded), in the language model's prefill forwards, and decoding.
+    kv_cache_bytes_prefill, kv_cache_bytes_final : int
+        K/V bytes the cache holds after the prefill and at the end (:func:`mmaccel.longctx.kv_cache_bytes`).
+    telemetry : dict
+        The KV method's telemetry (``{}`` for full attention).
+    """
+
+    output_ids: list
+    frames: int
+    prompt_tokens: int
+    visual_tokens: int
+    visual_tokens_kept: int
+    vision_encoder_s: float
+    prefill_s: float
+    decode_s: float
+    kv_cache_bytes_prefill: int
+    kv_cache_bytes_final: int
+    telemetry: dict = field(default_factory=dict)
+
+
+def streamed_generate(model, prefix, separator, suffix, pixel_batches, *, vision=None, kv=None, chunk: int = 1024,
+                      max_new_tokens: int = 8, eos_token_id=None, frames: int | None = None,
+                      position_limit: int | None = None) -> StreamedRun:
+    """Answer about a video of any length in memory that does not grow with its frames: encode, reduce and prefill
+    the frames as they come, with a KV-cache method that bounds what is held.
+
+    The prompt is ``prefix, frame 1, separator, frame 2, ..., frame T, suffix`` (:func:`video_prompt_layout`). Each
+    batch of frames goes through the tower and the projector and each frame's tokens are reduced at once
+    (:func:`~mmaccel.vision_tokens.batched_tower.encode_frames`); the kept tokens' embeddings are prefilled into the
+    cache in pieces of exactly ``chunk`` tokens as they accumulate. A scored KV method compresses the held slots plus
+    each piece back to its budget (:class:`mmaccel.longctx.Chunked`'s semantics), so with an evicting method
+    (``streaming``, ``snapkv:budget=...``) the K/V held is bounded, and with it the whole run: what is alive is one
+    batch of frames, one piece and the bounded cache; nothing of size O(frames) is kept. Without ``position_limit``
+    the language model's inputs and pieces are those of the unstreamed path under
+    ``VISION:positions=contiguous+chunked:chunk=C:method=KV`` (tested token for token).
+
+    Positions: the reduced prompt is numbered contiguously ``0, 1, ...``. A long video still passes the language
+    model's trained positions (10,000 frames pooled to 9 tokens: ~100,000); with ``position_limit`` and ``frames``
+    the video's tokens are given evenly spaced fractional positions instead, so that the whole prompt and
+    ``max_new_tokens`` fit in ``position_limit`` (Position Interpolation, Chen et al., "Extending Context Window of
+    Large Language Models via Positional Interpolation", 2023, arXiv 2306.15595, here without fine-tuning and on the
+    video's span only: the text before and after keeps unit steps).
+
+    Parameters
+    ----------
+    model : LlavaForConditionalGeneration
+    prefix, separator, suffix : torch.Tensor
+        int64 [p], [s], [q] ids.
+    pixel_batches : iterable of torch.Tensor
+        [b, 3, S, S] processed frames per batch (:func:`frame_pixels`), consumed once.
+    vision : ImageReducer or str, optional
+        A per-frame pre-LLM method (pooling, AIM merging) with ``positions="contiguous"``; ``None`` keeps every
+        token.
+    kv : KVMethod or str, optional
+        The KV-cache method (default ``full``: all K/V is held, and grows with the video). A
+        :class:`~mmaccel.longctx.Chunked` wrapper's inner method is used with its ``chunk``.
+    chunk : int
+        Prefill piece in tokens, >= 1 (ignored when ``kv`` is ``Chunked``).
+    max_new_tokens : int
+        Greedy new tokens, >= 1.
+    eos_token_id : int or list of int, optional
+        Stop after emitting one of these.
+    frames : int, optional
+        The number of frames ``pixel_batches`` holds (needed by ``position_limit``).
+    position_limit : int, optional
+        Positions the prompt and the answer must stay below (e.g. the model's ``max_position_embeddings``); the
+        video's span is interpolated only when the contiguous numbering would pass it.
+
+    Returns
+    -------
+    StreamedRun
+        ``telemetry["position_scale"]``: the positions per video token (1.0 without interpolation).
+
+    Raises
+    ------
+    ValueError
+        Before anything runs: a method that cannot reduce a frame alone, ``positions="original"`` (add
+        ``:positions=contiguous``), a KV method that cannot prefill in chunks, ``chunk < 1``, ``max_new_tokens < 1``,
+        ``position_limit`` without ``frames`` or too small for the text; from the first batch, a model that is not a
+        fixed-grid LLaVA; after the frames, an empty stream.
+    """
+    import time
+
+    import torch
+
+    from ..longctx import Chunked, kv_cache_bytes
+    from ..longctx import build_method as build_kv
+    from ..vision_tokens.batched_tower import encode_frames
+
+    vision, kv = check_streamed(vision, kv)
+    if isinstance(kv, Chunked):
+        kv, chunk = kv.method, kv.chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or max_new_tokens < 1:
+        raise ValueError(f"chunk and max_new_tokens must be integers >= 1, got {chunk} and {max_new_tokens}")
+    text_tokens = len(prefix) + len(suffix) + max_new_tokens
+    if position_limit is not None and (frames is None or position_limit <= text_tokens + 1):
+        raise ValueError(f"position_limit needs frames= and more than the text's {text_tokens + 1} positions; got "
+                         f"position_limit={position_limit}, frames={frames}")
+    kv = kv if kv is not None else build_kv("full")
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    embed = model.get_input_embeddings()
+    device = embed.weight.device
+    cache = kv.make_cache(model)
+    state = {"pos": 0.0, "step": 1.0, "prefill_s": 0.0, "vision_s": 0.0, "kept": 0, "frames": 0}
+    pending: list = []  # (embeddings [n, D], positions [n]) not yet prefilled: under chunk + one frame's tokens
+
+    def forward(positions, **inputs):
+        out = model(**inputs, cache=cache, position_ids=positions[None], use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def feed(embeds, step=1.0):
+        n = int(embeds.shape[0])
+        positions = state["pos"] + step * torch.arange(n, device=device, dtype=torch.float64)
+        state["pos"] += step * n
+        pending.append((embeds, positions if step != 1.0 else positions.long()))
+
+    def prefill(flush=False):
+        """Run every whole ``chunk`` of the queue (and, with ``flush``, the rest); the last piece's logits."""
+        held, logits = sum(int(e.shape[0]) for e, _ in pending), None
+        while held >= chunk or (flush and held):
+            embeds = torch.cat([e for e, _ in pending])
+            positions = torch.cat([p.double() for _, p in pending])
+            positions = positions if positions.frac().any() else positions.long()
+            take = min(chunk, held)
+            pending[:] = [(embeds[take:], positions[take:])] if held > take else []
+            t0 = time.perf_counter()
+            logits = forward(positions[:take], inputs_embeds=embeds[None, :take])
+            state["prefill_s"] += time.perf_counter() - t0
+            held -= take
+            del embeds, positions
+        return logits
+
+    def text(ids):
+        return embed(ids.to(device))
+
+    with torch.no_grad(), cache if hasattr(cache, "close") else contextlib.nullcontext():
+        feed(text(prefix))
+        prefill()
+        stream = encode_frames(model, pixel_batches, vision)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(stream, None)
+            state["vision_s"] += time.perf_counter() - t0
+            if batch is None:
+                break
+            if not state["frames"] and position_limit is not None:
+                video = frames * int(batch.shape[1]) + (frames - 1) * len(separator)
+                state["step"] = min(1.0, (position_limit - text_tokens - 1) / video)
+            for tokens in batch:
+                if state["frames"]:
+                    feed(text(separator), state["step"])
+                feed(tokens, state["step"])
+                state["frames"] += 1
+                state["kept"] += int(tokens.shape[0])
+                prefill()
+            del batch
+        if not state["frames"]:
+            raise ValueError("no frames were given; pass at least one")
+        state["pos"] = float(math.ceil(state["pos"] - 1e-9))  # the text after the video on whole positions again
+        feed(text(suffix))
+        logits = prefill(flush=True)
+        prompt_tokens, kv_prefill = int(state["pos"]), kv_cache_bytes(cache)
+        t0 = time.perf_counter()
+        output = []
+        while True:
+            token = int(logits.argmax())
+            output.append(token)
+            if token in stops or len(output) == max_new_tokens:
+                break
+            logits = forward(torch.tensor([int(state["pos"])], device=device),
+                             input_ids=torch.tensor([[token]], device=device))
+            state["pos"] += 1
+        decode_s = time.perf_counter() - t0
+        telemetry = {**(kv.telemetry(cache) if kv.name != "full" else {}), "position_scale": state["step"],
+                     "last_position": int(state["pos"]) - 1}
+        kv_final = kv_cache_bytes(cache)
+    vc = model.config.vision_config
+    per_frame = (vc.image_size // vc.patch_size) ** 2
+    return StreamedRun(output_ids=output, frames=state["frames"], prompt_tokens=prompt_tokens,
+                       visual_tokens=per_frame * state["frames"], visual_tokens_kept=state["kept"],
+                       vision_encoder_s=state["vision_s"], prefill_s=state["prefill_s"], decode_s=decode_s,
+                       kv_cache_bytes_prefill=kv_prefill, kv_cache_bytes_final=kv_final, telemetry=telemetry)
+
+
+def run_streamed(model, processor, clip, config: VisualConfig, *, batch: int = 16, max_new_tokens: int = 6,
+                 memory_meter: str = "rss"):
+    """One measured :func:`streamed_generate` run of ``config`` on a :class:`~mmaccel.data.clips.Clip`, its frames
+    rendered one batch at a time, scored against the clip's answer; positions kept inside the language model's
+    ``max_position_embeddings``.
+
+    Returns
+    -------
+    RunRecord
+        As :func:`~mmaccel.eval.visual.run_config`'s (``correct``, ``correct_contains``, ``answer`` in ``extra``;
+        the position scale in ``telemetry``); ``status="failed"`` with the error when the run raised.
+
+    Raises
+    ------
+    ValueError
+        A configuration :func:`check_streamed` refuses (before anything runs).
+    """
+    import os
+    import time
+
+    import torch
+
+    from .generation import RunRecord, _error_text, load_average
+    from .visual import score
+
+    check_streamed(config.vision, config.kv)
+    device = model.get_input_embeddings().weight.device
+    record = RunRecord(method=config.label, repeats=1, device=str(device), dtype=str(model.dtype),
+                       threads=torch.get_num_threads(), load_avg_1m=load_average())
+    text_config = getattr(model.config, "text_config", model.config)
+    prefix, separator, suffix = video_prompt_layout(model, processor, clip.frame(0), clip.question)
+    try:
+        with PeakMemory(device, cpu_meter=memory_meter) as mem:
+            t0 = time.perf_counter()
+            run = streamed_generate(model, prefix, separator, suffix,
+                                    frame_pixels(processor.image_processor, iter(clip), batch),
+                                    vision=config.vision, kv=config.kv, max_new_tokens=max_new_tokens,
+                                    eos_token_id=processor.tokenizer.eos_token_id, frames=len(clip),
+                                    position_limit=getattr(text_config, "max_position_embeddings", None))
+            total = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - a failed run (e.g. out of memory) is recorded, the sweep goes on
+        record.status, record.error = "failed", _error_text(exc)
+        record.extra.update(answer=clip.answer, correct=False, correct_contains=False)
+        return record
+    text = processor.tokenizer.decode(run.output_ids, skip_special_tokens=True)
+    ttft = total - run.decode_s
+    record.__dict__.update(
+        output_text=text, output_ids=run.output_ids, prompt_tokens=run.prompt_tokens, new_tokens=len(run.output_ids),
+        ttft_s=ttft, decode_s=run.decode_s, vision_encoder_s=run.vision_encoder_s, prefill_s=ttft - run.vision_encoder_s,
+        visual_tokens=run.visual_tokens, visual_tokens_kept=run.visual_tokens_kept, peak_memory_bytes=mem.peak,
+        peak_memory_method=mem.method, kv_cache_bytes_prefill=run.kv_cache_bytes_prefill,
+        kv_cache_bytes_final=run.kv_cache_bytes_final, telemetry={**run.telemetry, "streamed": True,
+                                                                  "lm_prefill_s": run.prefill_s, "pid": os.getpid()},
+        samples=[{"ttft_s": ttft, "decode_s": run.decode_s, "peak_memory_bytes": mem.peak}])
+    record.extra.update(answer=clip.answer, correct=score(text, clip.answer),
+                        correct_contains=str(clip.answer).lower() in text.lower(),
+                        visual_tokens_input=run.visual_tokens)
+    return record
+
+
+def check_streamed(vision, kv) -> tuple:
+    """Build and check a streamed run's methods (specs or objects) before anything runs; returns them built.
+
+    Raises
+    ------
+    ValueError
+        A visual-token method that cannot reduce a frame alone
+        (:func:`~mmaccel.vision_tokens.batched_tower.per_frame_reducer`), one with ``positions="original"``, or a
+        KV method that cannot prefill in chunks (``supports_chunking`` false).
+    """
+    from ..longctx import build_method as build_kv
+    from ..vision_tokens import build_method as build_vision
+    from ..vision_tokens.batched_tower import per_frame_reducer
+
+    vision = build_vision(vision) if isinstance(vision, str) else vision
+    kv = build_kv(kv) if isinstance(kv, str) else kv
+    if vision is not None and not per_frame_reducer(vision):
+        raise ValueError(f"{vision.name!r} cannot reduce a streamed frame alone; use a pre-LLM method planned on one "
+                         "frame's projected tokens, e.g. pooling:keep_ratio=0.0625:positions=contiguous")
+    if vision is not None and vision.positions != "contiguous":
+        raise ValueError(f"the streamed path numbers the kept tokens contiguously; add ':positions=contiguous' to "
+                         f"{vision.name!r}")
+    if kv is not None and not getattr(kv, "supports_chunking", True):
+        raise ValueError(f"{kv.name} cannot prefill in chunks ({getattr(kv, 'chunking_error', '')}); use an "
+                         "evicting method, e.g. streaming:window=2048")
+    return vision, kv
+
+
 def video_niah(
     model,
     processor,
@@ -161,6 +498,8 @@ def video_niah(
     progress: bool = True,
     resume: bool = False,
     overwrite: bool = False,
+    stream: bool = False,
+    memory_meter: str = "rss",
 ) -> VideoNIAHResult:
     """Run every method on every (frames, depth, trial) clip.
 
@@ -195,6 +534,14 @@ def video_niah(
     resume, overwrite : bool
         What to do with a non-empty ``out_dir`` (:func:`mmaccel.eval.sweep.sweep`): finish it, skipping the runs
         already recorded, or replace it; refused otherwise.
+    stream : bool
+        Run every clip through :func:`streamed_generate` (frames rendered, encoded ``vision_batch`` at a time (16 by
+        default), reduced and prefilled as they come; the video's positions interpolated into the language model's
+        ``max_position_embeddings`` when they would pass it): memory flat in the frame count under an evicting KV
+        method. Methods as in :func:`check_streamed`; the ``chunked`` wrapper sets the prefill piece (1,024 tokens
+        otherwise). ``repeats`` is 1.
+    memory_meter : {"rss", "allocator"}
+        How peak memory is measured off CUDA (:class:`~mmaccel.eval.memory.PeakMemory`).
 
     Returns
     -------
@@ -220,7 +567,8 @@ def video_niah(
         raise ValueError(f"no methods given; pass at least one, e.g. {DEFAULT_METHODS[0]!r} or {NO_REDUCTION!r}")
     configs = [parse_visual_config(m) for m in methods]
     for c in configs:
-        check_video_config(c, model)
+        check_streamed(c.vision, c.kv) if stream else check_video_config(c, model)
+    check_cpu_meter(memory_meter, "memory_meter")
     frames = [int(t) for t in frames]
     depths = [float(d) for d in depths]
     if not frames or min(frames) < 1:
@@ -233,16 +581,18 @@ def video_niah(
         raise ValueError(f"unknown clip question kind {kind!r}; use one of {', '.join(CLIP_KINDS)}")
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
-    batched = None if vision_batch is None else BatchedVisionEncoding(model, vision_batch)
+    batched = None if vision_batch is None or stream else BatchedVisionEncoding(model, vision_batch)
     warm_clip = make_clip(WARMUP_FRAMES, seed=split_seed("test", seed, 0), depth=0.5, size=size, kind=kind)
     warm_inputs = chat_inputs(processor, clip_images(warm_clip), warm_clip.question)
-    _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens,
-                    configs)
+    if not stream:
+        _warn_positions(model, image_token_count(model, warm_inputs) // WARMUP_FRAMES, max(frames), max_new_tokens,
+                        configs)
 
     labels = [c.label for c in configs]
     config = {"methods": labels, "frames": frames, "depths": depths, "trials": trials, "seed": seed,
               "kind": kind, "size": size, "max_new_tokens": max_new_tokens, "repeats": repeats,
-              "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch}
+              "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch,
+              "stream": stream, "memory_meter": memory_meter}
     out = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
     cells = [SweepCell(c.label, sample=f"T={n}/d={d:g}/t={t}", fields={"frames": n, "depth": d, "trial": t},
                        payload=c)
@@ -252,6 +602,17 @@ def video_niah(
 
     def run(cell) -> dict:
         n_frames, depth, trial = cell.fields["frames"], cell.fields["depth"], cell.fields["trial"]
+        if stream:
+            clip_seed = split_seed("test", seed, trial)
+            clip = make_clip(n_frames, seed=clip_seed, depth=depth, size=size, kind=kind)
+            if warmup and cell.payload.label not in warmed:
+                run_streamed(model, processor, warm_clip, cell.payload, batch=vision_batch or 16, max_new_tokens=1)
+            warmed.add(cell.payload.label)
+            rec = run_streamed(model, processor, clip, cell.payload, batch=vision_batch or 16,
+                               max_new_tokens=max_new_tokens, memory_meter=memory_meter)
+            rec.extra.update(frames=n_frames, length=n_frames, depth=depth, trial=trial, clip_seed=clip_seed,
+                             needle_frame=clip.needle_frame, kind=kind, question=clip.question)
+            return rec.to_dict()
         key = (n_frames, depth, trial)
         if key not in clips:
             clips.clear()  # one clip's frames at a time
@@ -426,5 +787,6 @@ def video_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DEFAULT_METHODS", "VideoNIAHResult", "check_video_config", "clip_images", "plot_frames_heatmap",
-           "plot_memory", "summarize_video", "video_niah", "video_table"]
+__all__ = ["DEFAULT_METHODS", "StreamedRun", "VideoNIAHResult", "check_streamed", "check_video_config", "clip_images",
+           "frame_pixels", "plot_frames_heatmap", "plot_memory", "run_streamed", "streamed_generate",
+           "summarize_video", "video_niah", "video_prompt_layout", "video_table"]

@@ -170,3 +170,73 @@ class BatchedVisionEncoding:
         if self._original_projector is not None:
             self.inner.multi_modal_projector = self._original_projector
             self._original_projector = None
+
+
+def encode_frames(model: nn.Module, pixel_batches, reducer=None):
+    """Encode a stream of frames batch by batch through a fixed-grid LLaVA model's tower and projector, reducing each
+    frame's projected tokens at once: what a streamed long-video prefill feeds the language model.
+
+    Nothing of the whole video is held: each batch's tower activations, hidden states and full projected tokens are
+    dropped before the next batch is encoded, so the memory is one batch's, whatever the number of frames.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A LLaVA-1.5-style model (``LlavaForConditionalGeneration``).
+    pixel_batches : iterable of torch.Tensor
+        [b, 3, S, S] processed frames per batch (any ``b >= 1``), e.g. from the image processor a batch at a time.
+    reducer : ImageReducer, optional
+        A pre-LLM reduction planned on each frame alone (:meth:`~.pre_llm.ImageReducer.plan_image`, e.g.
+        :class:`~.pooling.Pooling`); ``None`` keeps every token.
+
+    Yields
+    ------
+    torch.Tensor
+        [b, K, D_text] per batch: each frame's kept (merged) projected tokens, the frame's prefix token (a kept [CLS])
+        first, in raster order, the same tokens as the method's plan gives the unstreamed path for that frame.
+
+    Raises
+    ------
+    ValueError
+        A model that is not a fixed-grid LLaVA, or a reducer that ranks by the tower's attention
+        (``needs_tower_scores``: VisionZip, PruMerge) or plans across frames (temporal ToMe): neither plans one frame
+        from its projected tokens alone.
+    """
+    from .pre_llm import _grid_plan
+
+    parts = VLMParts.find(model)
+    if isinstance(parts, str) or parts.kind != "llava":
+        why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
+        raise ValueError(f"streamed frame encoding supports fixed-grid LLaVA models only; {why}")
+    if reducer is not None and not per_frame_reducer(reducer):
+        raise ValueError(f"{getattr(reducer, 'name', reducer)!r} cannot reduce a streamed frame alone; use a pre-LLM "
+                         "method planned on one frame's projected tokens, e.g. pooling:keep_ratio=0.0625")
+    inner, config = parts.inner, parts.inner.config
+    grid = None
+    for pixels in pixel_batches:
+        tower = next(inner.vision_tower.parameters())
+        out = inner.get_image_features(pixel_values=pixels.to(tower.device, tower.dtype),
+                                       vision_feature_layer=config.vision_feature_layer,
+                                       vision_feature_select_strategy=config.vision_feature_select_strategy)
+        features = torch.stack(list(out.pooler_output))  # [b, P, D_text]
+        del out
+        if reducer is None:
+            yield features
+            continue
+        grid = grid or parts.grids(int(features.shape[1]))[0]
+        raster = grid.raster_index(features.device)
+        reduced = [_grid_plan(reducer.plan_image(features[i, raster], grid, {"image_index": i, "grid_index": i}),
+                              grid).merge(features[i: i + 1]) for i in range(features.shape[0])]
+        del features
+        yield torch.cat(reduced)
+
+
+def per_frame_reducer(method) -> bool:
+    """Whether a visual-token method reduces each frame from that frame's projected tokens alone (pooling, AIM's
+    merging without pruning layers, ...): a pre-LLM :class:`~.pre_llm.ImageReducer` that needs no tower scores, keeps
+    the base's per-image sequence plan (temporal ToMe plans across frames) and prunes nothing inside the LLM."""
+    from .pre_llm import ImageReducer
+
+    return (isinstance(method, ImageReducer) and not method.needs_tower_scores
+            and type(method)._sequence_plan is ImageReducer._sequence_plan
+            and getattr(method, "layers", None) is None)
