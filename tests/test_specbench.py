@@ -191,8 +191,9 @@ def test_spec_bench_bad_inputs_give_one_error_line(capsys, tmp_path, args, match
 
 
 def test_spec_bench_refuses_a_draft_with_another_tokenizer(capsys, tmp_path, tiny_dir):
-    for spec in (f"draft:model={tiny_dir}", f"hf_assisted:model={tiny_dir}"):
-        rc, _, err = _run(capsys, "spec-bench", "--model", "micro-lm", "--methods", spec, "--out", str(tmp_path))
+    for args in (["--methods", f"draft:model={tiny_dir}"], ["--methods", f"hf_assisted:model={tiny_dir}"],
+                 ["--draft", str(tiny_dir), "--methods", "cascade:first=prompt_lookup:then=draft"]):  # nested too
+        rc, _, err = _run(capsys, "spec-bench", "--model", "micro-lm", *args, "--out", str(tmp_path))
         assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
         assert "another tokenizer than the target" in err
 
@@ -274,6 +275,10 @@ def test_two_model_pair_on_code_prompts_shares_one_draft(micro, capsys, tmp_path
     assert list(loaded) == ["micro-draft"]
     assert resolved[0][0].drafter.model is shared and resolved[3][0].drafter.then.model is shared
     assert resolved[1][0].model is shared and resolved[2][0].model is shared
+    nested = build_speculative_method("cascade:first=prompt_lookup:then=draft,stop_below=0.3", draft="other")
+    assert nested.drafter.then.model_ref == "other" and nested.drafter.then.stop_below == 0.3
+    named = build_speculative_method("cascade:first=prompt_lookup:then=draft,model=micro-draft", draft="other")
+    assert named.drafter.then.model_ref == "micro-draft"
     gc = shared.generation_config
     before = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
     with resolved[2][0].configured(model):

@@ -43,7 +43,7 @@ from ..kernels.packed_linear import PackedLinears
 from ..data.code_prompts import CODE_PROMPT_SETS, FUNCTIONS, code_prompts
 from ..data.prompts import COPY_TASKS, FREE_PROMPTS, add_typos
 from ..pipeline import check_temperature, resolve_methods
-from ..speculative import share_draft_models
+from ..speculative import draft_holders, share_draft_models
 from .generation import RunRecord, generate_measured, load_average
 from .sweep import Cell as SweepCell
 from .sweep import check_out_dir, finished_records, sweep
@@ -190,10 +190,13 @@ def check_draft_tokenizers(resolved: Sequence, tokenizer) -> None:
     """
     from ..models.loading import load_tokenizer
 
+    refs = {}  # every named draft once, nested ones (a cascade's) included
     for obj, label in resolved:
-        ref = getattr(getattr(obj, "drafter", obj), "model_ref", None)
-        if not isinstance(ref, str):
-            continue
+        for holder in draft_holders(obj):
+            ref = getattr(holder, "model_ref", None)
+            if isinstance(ref, str):
+                refs.setdefault(ref, label)
+    for ref, label in refs.items():
         draft_tok = load_tokenizer(ref)
         draft_tok = getattr(draft_tok, "tokenizer", None) or draft_tok
         if draft_tok.get_vocab() != tokenizer.get_vocab():

@@ -442,8 +442,9 @@ PEERS: dict[str, type[TransformersPeer]] = {
 }
 
 
-def _holders(method):
-    """``method`` and the drafters inside it (a :class:`SpeculativeMethod`'s drafter, a cascade's two)."""
+def draft_holders(method):
+    """``method`` and the drafters inside it (a :class:`SpeculativeMethod`'s drafter, a cascade's two), depth first:
+    where :class:`DraftModel` drafters and :class:`HFAssisted` peers hold their ``model_ref``."""
     stack = [method]
     while stack:
         obj = stack.pop()
@@ -477,7 +478,7 @@ def share_draft_models(methods, target) -> dict:
     """
     loaded: dict = {}
     for method in methods:
-        for obj in _holders(method):
+        for obj in draft_holders(method):
             ref = getattr(obj, "model_ref", None)
             if not isinstance(obj, (DraftModel, HFAssisted)) or not isinstance(ref, str) or obj.model is not None:
                 continue
@@ -516,7 +517,8 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
         ``"tree:model=micro-draft:shape=3,2,2"``, ``"dytree:width=4:depth=5"``,
         ``"hf_assisted:model=micro-draft"``, ``"hf_prompt_lookup:num_tokens=10"``, ``"hf_early_exit:layers=15"``.
     draft : str or transformers.PreTrainedModel, optional
-        The draft/assistant for ``draft`` and ``hf_assisted`` specs that name no ``model=``.
+        The draft/assistant for ``draft`` and ``hf_assisted`` specs that name no ``model=``, nested ones too
+        (``cascade:first=prompt_lookup:then=draft``).
 
     Raises
     ------
@@ -545,6 +547,15 @@ def build_speculative_method(spec: str | MethodSpec, *, draft=None):
                          f"e.g. {parsed.name}:k=4")
     if issubclass(METHODS[parsed.name], DraftModel) and draft is not None and "model" not in kwargs:
         kwargs["model"] = draft
+    if draft is not None:  # a draft model nested in a wrapper (cascade:then=draft) gets the default draft too
+        for key in ("first", "then"):
+            nested = kwargs.get(key)
+            if not isinstance(nested, str):
+                continue
+            inner = parse_method_spec(nested.replace(",", ":"))
+            if inner.name in METHODS and issubclass(METHODS[inner.name], DraftModel) and "model" not in inner.kwargs:
+                kwargs[key] = build_from_registry(MethodSpec(inner.name, {**inner.kwargs, "model": draft}, inner.text),
+                                                  METHODS, "drafter")
     valid = accepted_keys(METHODS[parsed.name]) or []
     unknown = [key for key in kwargs if key not in valid]
     if unknown:
