@@ -86,7 +86,7 @@ from pathlib import Path
 
 logger = logging.getLogger("vs_kvpress")
 
-KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5", "transformers>=4.56,<5.3")
+KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5", "transformers>=4.56,<5.3", "optimum-quanto==0.2.7")
 """What the worker's virtual environment gets (torch 2.13.0: the CPU wheel this machine carries)."""
 KVPRESS_VERSION = "0.5.5"
 
@@ -119,17 +119,64 @@ KVPRESS_NAMES = {
     "knorm": "KnormPress",
     "tova": "TOVAPress",
     "observed_attention": "ObservedAttentionPress",
+    "kvzip": "KVzipPress",
+    "keydiff": "KeyDiffPress",
+    "chunkkv": "ChunkKVPress",
+    "criticalkv": "CriticalKVPress",
 }
-"""Short names of kvpress presses."""
+"""Short names of kvpress presses. Wrappers (``adakv``, ``chunkkv``, ``criticalkv``) take the press after the ``/``
+with their own defaults (ChunkKV: 20-token chunks)."""
+
+QUANTIZED_CACHE = {"qcache4": 4, "qcache2": 2}
+"""Outermost spec names that run the press (or no press: ``qcache4`` alone) on transformers' ``QuantizedCache``
+(optimum-quanto backend, ``nbits`` 4 or 2, its default group size and 128-token residual) instead of a
+``DynamicCache``: ``qcache4/snapkv`` is kvpress's SnapKV composed with a 4-bit cache."""
+
+MASKING_PRESSES = ("KVzipPress", "AdaKVPress", "CriticalAdaKVPress", "DuoAttentionPress")
+"""kvpress presses that keep head-wise budgets by masking evicted keys (``module.masked_key_indices``) rather than
+removing them: their cache holds every K/V byte of the prompt (what ``kept`` measures)."""
+
+RULER_PRESSES = (
+    "full",
+    "kvzip",
+    "chunkkv/snapkv",
+    "keydiff",
+    "expected_attention",
+    "adakv/snapkv",
+    "criticalkv/snapkv",
+    "snapkv",
+    "streaming:n_sink=4",
+    "qcache4",
+    "qcache4/snapkv",
+)
+"""kvpress's side of ``--task ruler`` by default: its strongest presses (KVzip, the maintainers' best; ChunkKV,
+KeyDiff, ExpectedAttention, AdaKV, CriticalKV on SnapKV), SnapKV, StreamingLLM, and transformers' 4-bit quantized
+cache alone and under SnapKV. DuoAttention is left out: its patterns or calibration data come from the model hub,
+which this machine cannot reach."""
+
+RULER_MMACCEL_METHODS = (
+    "full",
+    "chunkkv:method=snapkv,ratio={r}",
+    "kvzip",
+    "snapkv",
+    "keydiff",
+    "expected_attention",
+    "streaming",
+)
+"""mmaccel's side of ``--task ruler`` by default; a quantized cache (``kvquant:bits=4``) is full attention underneath
+and runs once, whatever the ratios."""
 
 WARMUP_TOKENS = 1024
 """Length of the warm-up prompt (or the shortest length, if shorter): long enough that ``ratio=0.125`` keeps at least
 kvpress's SnapKV window of 64 (mmaccel refuses a ratio that keeps fewer slots than the window)."""
 
 MODES = ("whole", "context")
+RULER_MODES = ("aware", "agnostic")
 MODE_TEXT = {
     "whole": "whole prompt",
     "context": "context; closing tokens appended",
+    "aware": "aware: prompt with the question",
+    "agnostic": "agnostic: context, then the question",
 }
 
 
@@ -211,18 +258,44 @@ def _load_meter(path: str):
     return module.PeakMemory
 
 
+def _tensor_bytes(t) -> int:
+    """Bytes of a tensor's storage; a tensor subclass (optimum-quanto's packed codes with their scales and shifts) is
+    counted through ``__tensor_flatten__``, its inner tensors summed."""
+    if t is None:
+        return 0
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is not None and type(t).__name__ != "Tensor" and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def _held_kv(cache) -> tuple[int, list[int]]:
-    """K/V bytes a transformers ``DynamicCache`` holds and the tokens per layer (kvpress's caches hold whole,
-    contiguous K/V tensors: gathered at compression, concatenated at every update, so numel is what they keep)."""
+    """K/V bytes a transformers cache holds and the tokens per layer (kvpress's caches hold whole, contiguous K/V
+    tensors: gathered at compression, concatenated at every update, so storage is what they keep). A
+    ``QuantizedCache`` layer counts its quantized K/V (codes, scales, shifts) and its full-precision residual."""
     total, tokens = 0, []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or not keys.numel():
-            tokens.append(0)
-            continue
-        total += keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        tokens.append(int(keys.shape[-2]))
+        qk, qv = getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)
+        held = _tensor_bytes(qk) + _tensor_bytes(qv)
+        if keys is not None and keys.numel():
+            held += _tensor_bytes(keys) + _tensor_bytes(values)
+        total += held
+        n = int(keys.shape[-2]) if keys is not None and keys.dim() == 4 else 0
+        tokens.append(n + (int(qk.shape[-2]) if qk is not None and qk.dim() == 4 else 0))
     return total, tokens
+
+
+def _make_cache(spec: str, model):
+    """A fresh cache for a kvpress spec: transformers' ``QuantizedCache`` (optimum-quanto) for a ``qcache4`` /
+    ``qcache2`` spec, else a ``DynamicCache``."""
+    from transformers import DynamicCache, QuantizedCache
+
+    names, _ = parse_press_spec(spec)
+    if names[0] in QUANTIZED_CACHE:
+        return QuantizedCache(backend="quanto", config=model.config, nbits=QUANTIZED_CACHE[names[0]])
+    return DynamicCache()
 
 
 def _build_press(spec: str, compression_ratio: float):
@@ -230,7 +303,8 @@ def _build_press(spec: str, compression_ratio: float):
     import kvpress
 
     names, fields = parse_press_spec(spec)
-    if names == ["full"]:
+    names = [n for n in names if n not in QUANTIZED_CACHE]
+    if names in ([], ["full"]):
         return None
     *wrappers, inner = names
     press = getattr(kvpress, KVPRESS_NAMES.get(inner, inner))(compression_ratio=compression_ratio, **fields)
@@ -255,14 +329,15 @@ def _press_fields(press) -> dict:
     return out
 
 
-def _run_whole(model, ids, press, max_new_tokens: int, gen_kwargs: dict) -> dict:
-    """kvpress's press as a context manager over ``model.generate`` on the whole prompt (prefill compression)."""
+def _run_whole(model, ids, press, max_new_tokens: int, gen_kwargs: dict, cache) -> dict:
+    """kvpress's press as a context manager over ``model.generate`` on the whole prompt (prefill compression).
+
+    Not for ``KVzipPress``: it compresses when its context manager exits, after ``generate`` has answered."""
     import contextlib
 
     import torch
-    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList
 
-    cache = DynamicCache()
     first: dict = {}
 
     class _FirstLogits(LogitsProcessor):
@@ -281,33 +356,69 @@ def _run_whole(model, ids, press, max_new_tokens: int, gen_kwargs: dict) -> dict
     return {"new_ids": out[0, ids.shape[1]:].tolist(), "t0": t0, "t_end": t_end, **first}
 
 
-def _run_context(pipe, ids, n_closing: int, press, max_new_tokens: int) -> dict:
+def _run_context(pipe, ids, n_closing: int, press, max_new_tokens: int, cache) -> dict:
     """kvpress's pipeline code: the context prefilled under the press, the closing tokens appended, greedy decoding.
 
     The first forward of the causal LM (the pipeline prefills through ``model.model``) is the closing tokens' one:
-    its end marks the first token's logits; every forward's argmax is one generated token.
+    the K/V held just before it is the compressed context's (``kv``, ``tokens``), its end marks the first token's
+    logits; every forward's argmax is one generated token.
     """
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
     first: dict = {}
     new_ids: list[int] = []
 
-    def hook(module, args, kwargs, output):
-        if not first:
-            first["t"] = time.perf_counter()
+    def pre_hook(module, args, kwargs):
+        if "kv" not in first:
             first["kv"], first["tokens"] = _held_kv(cache)
+
+    def hook(module, args, kwargs, output):
+        first.setdefault("t", time.perf_counter())
         new_ids.append(int(output.logits[0, -1].argmax()))
 
-    handle = pipe.model.register_forward_hook(hook, with_kwargs=True)
+    handles = [pipe.model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+               pipe.model.register_forward_hook(hook, with_kwargs=True)]
     try:
         t0 = time.perf_counter()
         pipe._forward({"context_ids": ids[:, :-n_closing], "questions_ids": [ids[:, -n_closing:]]},
                       max_new_tokens=max_new_tokens, press=press, cache=cache)
         t_end = time.perf_counter()
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     return {"new_ids": new_ids, "t0": t0, "t_end": t_end, **first}
+
+
+def case_plan(case: dict, mode: str, ratio) -> tuple[int, int | None]:
+    """``(n_closing, keep)`` of a kvpress run: the tokens appended uncompressed after the press's prefill, and how
+    many of the compressed tokens it keeps (``None``: no ratio, full).
+
+    - ``whole``: nothing appended; the prompt keeps mmaccel's count.
+    - ``context`` (NIAH): the closing tokens appended; the context keeps that many fewer, so the total matches.
+    - ``aware`` (RULER): the prompt's last token appended (kvpress's pipeline needs a question; KVzip compresses
+      only when its context manager exits, so it cannot run over ``generate``); the rest keeps one fewer than
+      mmaccel's count of the whole prompt.
+    - ``agnostic`` (RULER): the question appended; the context keeps mmaccel's count of the context
+      (:func:`mmaccel.longctx.compress.compress` on the same context).
+
+    Raises
+    ------
+    ValueError
+        For an unknown mode, or ``context`` mode without closing tokens.
+    """
+    if mode == "whole":
+        n_closing, keep = 0, None if ratio is None else case["keep"][str(ratio)]
+    elif mode == "context":
+        n_closing = case["n_closing"]
+        if not n_closing:
+            raise ValueError("no closing tokens found after the question: context mode needs them")
+        keep = None if ratio is None else case["keep"][str(ratio)] - n_closing
+    elif mode == "aware":
+        n_closing, keep = 1, None if ratio is None else case["keep"]["aware"][str(ratio)] - 1
+    elif mode == "agnostic":
+        n_closing = case["n_question"]
+        keep = None if ratio is None else case["keep"]["agnostic"][str(ratio)]
+    else:
+        raise ValueError(f"unknown mode {mode!r}; use one of {MODES + RULER_MODES}")
+    return n_closing, keep
 
 
 def _worker_record(job, case, spec, mode, ratio) -> dict:
@@ -328,19 +439,19 @@ def _kvpress_run(job, ctx, case, spec, mode, ratio, *, warmup_case=None) -> dict
             if c is None:
                 continue
             ids = torch.tensor([c["input_ids"]], dtype=torch.long)
-            n_closing = c["n_closing"] if mode == "context" else 0
-            if mode == "context" and not n_closing:
-                raise ValueError("no closing tokens found after the question: context mode needs them")
+            n_closing, keep = case_plan(c, mode, ratio)
             n_compressed = ids.shape[1] - n_closing
-            cr = 0.0 if ratio is None else kvpress_compression_ratio(n_compressed, c["keep"][str(ratio)] - n_closing)
+            cr = 0.0 if keep is None else kvpress_compression_ratio(n_compressed, keep)
             press = _build_press(spec, cr)
+            max_new = c.get("max_new_tokens") or job["max_new_tokens"]
             rec["load_avg_1m"] = _load_average()
             with torch.inference_mode(), ctx["PeakMemory"](torch.device("cpu"),
                                                                  cpu_meter=job.get("memory_meter", "rss")) as mem:
+                cache = _make_cache(spec, ctx["model"])
                 if mode == "whole":
-                    run = _run_whole(ctx["model"], ids, press, job["max_new_tokens"], job["gen_kwargs"])
+                    run = _run_whole(ctx["model"], ids, press, max_new, job["gen_kwargs"], cache)
                 else:
-                    run = _run_context(ctx["pipe"], ids, n_closing, press, job["max_new_tokens"])
+                    run = _run_context(ctx["pipe"], ids, n_closing, press, max_new, cache)
         n = len(run["new_ids"])
         decode_s = run["t_end"] - run["t"]
         rec.update(
@@ -385,12 +496,16 @@ def worker_main(cases_path: str, out_path: str) -> None:
         "model": model, "tokenizer": tokenizer, "PeakMemory": _load_meter(job["memory_module"]),
         "pipe": kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu")),
     }
+    ruler = job.get("task") == "ruler"
     runs = [(spec, mode, ratio) for spec in job["presses"]
-            for mode in (["whole"] if spec == "full" else job["modes"])
-            for ratio in ([None] if spec == "full" else job["ratios"])]
-    with open(out_path, "w", encoding="utf-8") as sink:
+            for mode in (job["modes"] if ruler or spec != "full" else ["whole"])
+            for ratio in ([None] if parse_press_spec(spec)[0][-1] in ("full", *QUANTIZED_CACHE) else job["ratios"])]
+    done = {(r["method"], r["mode"], r["ratio"], r["case"]) for r in _read_jsonl(Path(out_path))
+            if r.get("status") == "ok"} if job.get("resume") else set()
+    with open(out_path, "a" if job.get("resume") else "w", encoding="utf-8") as sink:
         for k, (spec, mode, ratio) in enumerate(runs):
-            for i, case in enumerate(job["cases"]):
+            todo = [c for c in job["cases"] if (spec, mode, ratio, c["id"]) not in done]
+            for i, case in enumerate(todo):
                 rec = _kvpress_run(job, ctx, case, spec, mode, ratio,
                                    warmup_case=job["warmup_case"] if i == 0 else None)
                 rec["versions"] = versions
@@ -527,6 +642,105 @@ def build_cases(tokenizer, lengths, n_cases: int, ratios, *, seed: int = 0, chat
     return {"chat_template": use_chat, "cases": cases, "warmup_case": warm}
 
 
+def build_ruler_cases(tokenizer, tasks, lengths, n: int, ratios, *, seed: int = 0, chat_template="auto",
+                      haystack=None) -> dict:
+    """The RULER samples both sides run (:func:`mmaccel.eval.ruler.build_samples`: the ids ``mmaccel ruler`` runs with
+    the same tasks, lengths, ``n``, seed, chat template and haystack), as JSON-ready dicts.
+
+    Returns
+    -------
+    dict
+        ``{"chat_template": bool, "cases": [...], "warmup_case": {...}}``; a case has ``id`` (the sweep's sample key,
+        ``task/L=length/i=index``), ``task``, ``length``, ``seed``, ``input_ids`` (context then question),
+        ``n_question`` (the question's tokens, the tail), ``references``, ``metric``, ``max_new_tokens`` (RULER's
+        per task) and ``keep``: ``{"aware": {ratio: slots}, "agnostic": {ratio: slots}}``, mmaccel's kept slots per
+        layer and KV head of the whole prompt (aware) and of the context alone (agnostic).
+
+    Raises
+    ------
+    ValueError
+        As :func:`mmaccel.eval.ruler.build_samples`; a task with several questions per sample (the QA tasks).
+    """
+    from mmaccel.data.haystack import resolve_chat_template
+    from mmaccel.data.ruler import make_ruler_sample, resolve_tasks
+    from mmaccel.eval.ruler import build_samples
+    from mmaccel.longctx import build_method
+
+    use_chat = resolve_chat_template(tokenizer, chat_template)
+    text = None if haystack is None else Path(haystack).read_text(encoding="utf-8")
+    samples = build_samples(tokenizer, resolve_tasks(list(tasks)), lengths, n, seed=seed, haystack=text,
+                            chat_template=use_chat)
+    budgets = {r: build_method(f"snapkv:ratio={r}") for r in ratios}
+
+    def as_case(key, sample):
+        if len(sample.queries) != 1:
+            raise ValueError(f"{sample.task} asks {len(sample.queries)} questions per sample; the peer runs one")
+        q = sample.queries[0]
+        ids = list(sample.context_ids) + list(q.question_ids)
+        return {
+            "id": key, "task": sample.task, "length": sample.length, "seed": sample.seed, "input_ids": ids,
+            "n_question": len(q.question_ids), "references": list(q.references), "metric": sample.metric,
+            "max_new_tokens": sample.max_new_tokens,
+            "keep": {"aware": {str(r): m.context_budget(len(ids)) for r, m in budgets.items()},
+                     "agnostic": {str(r): m.context_budget(len(sample.context_ids)) for r, m in budgets.items()}},
+        }
+
+    warm_length = min(min(int(x) for x in lengths), WARMUP_TOKENS)
+    warm = make_ruler_sample(tokenizer, "niah_single_1", warm_length, seed=seed + 1000, haystack=text,
+                             chat_template=use_chat)
+    return {"chat_template": use_chat, "cases": [as_case(k, smp) for k, smp in samples.items()],
+            "warmup_case": as_case("warmup", warm)}
+
+
+def ruler_side_records(records: list[dict], specs, cases: list[dict]) -> list[dict]:
+    """mmaccel RULER sweep records (``mmaccel ruler``'s ``results.jsonl``) as side records of this table: those of the
+    job's cases (sample keys) and of ``specs`` (``(label, spec, ratio)`` of :func:`mmaccel_specs`), in both modes.
+
+    Raises
+    ------
+    ValueError
+        If a record of a case has another prompt length than the case (another tokenizer, chat template or seed).
+    """
+    by_spec = {spec: (label, ratio) for label, spec, ratio in specs}
+    by_case = {c["id"]: c for c in cases}
+    out = []
+    for r in records:
+        extra = r.get("extra") or {}
+        case = by_case.get(extra.get("sample"))
+        if case is None or r.get("method") not in by_spec:
+            continue
+        if r["status"] == "ok" and r.get("prompt_tokens") not in (None, len(case["input_ids"])):
+            raise ValueError(f"the mmaccel record of {case['id']} has {r['prompt_tokens']} prompt tokens, the case "
+                             f"{len(case['input_ids'])}: not the same samples (model, chat template, seed?)")
+        label, ratio = by_spec[r["method"]]
+        answers = extra.get("answers") or [{}]
+        out.append({
+            "side": "mmaccel", "mode": extra["mode"], "method": label, "spec": r["method"], "ratio": ratio,
+            "case": case["id"], "prompt_tokens": r.get("prompt_tokens"), "status": r["status"],
+            "error": r.get("error"), "new_tokens": r.get("new_tokens"),
+            "output_text": answers[0].get("output_text", r.get("output_text")), "prefill_s": r.get("ttft_s"),
+            "decode_s": r.get("decode_s"), "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "peak_memory_method": r.get("peak_memory_method"), "kv_cache_bytes": r.get("kv_cache_bytes_prefill"),
+            "threads": r.get("threads"), "dtype": r.get("dtype"), "load_avg_1m": r.get("load_avg_1m"),
+            "versions": None, "shared_prefill": bool(extra.get("shared_prefill")),
+        })
+    return out
+
+
+def run_mmaccel_ruler_side(model, tokenizer, job: dict, methods, out: Path, *, tasks, n: int,
+                           haystack=None) -> list[dict]:
+    """mmaccel's methods on the job's RULER cases in both modes, each with its own prefill and the same peak-memory
+    meter as the worker (:func:`mmaccel.eval.ruler.run_ruler`, ``shared_prefill=False``, resumable in ``out``)."""
+    from mmaccel.eval.ruler import run_ruler
+
+    specs = mmaccel_specs(methods, job["ratios"])
+    result = run_ruler(model, tokenizer, [spec for _, spec, _ in specs], tasks=tasks, lengths=job["lengths"], n=n,
+                       mode="both", seed=job["seed"], chat_template=job["chat_template"], out_dir=out,
+                       haystack=None if haystack is None else Path(haystack).read_text(encoding="utf-8"),
+                       resume=out.is_dir() and any(out.iterdir()), shared_prefill=False, progress=False)
+    return ruler_side_records(result.records, specs, job["cases"])
+
+
 def kv_bytes_per_token(config, dtype) -> int:
     """Bytes of K and V one prompt token takes in a full cache: ``2 x layers x Hkv x head_dim x itemsize``."""
     import torch
@@ -578,18 +792,34 @@ def run_kvpress_side(python, job_path: Path, out_path: Path) -> int:
 
 
 def score_records(records: list[dict], cases: list[dict], bytes_per_token: int) -> list[dict]:
-    """Add ``length``, ``depth``, ``answer``, ``correct``, ``correct_contains`` and ``kept_fraction`` to records."""
+    """Add ``length``, ``correct``, ``correct_contains`` and ``kept_fraction`` to records (and ``depth``, ``answer``
+    for NIAH cases, ``task`` for RULER ones).
+
+    NIAH: ``correct`` is the strict exact match of the first number, ``correct_contains`` the answer anywhere.
+    RULER: ``correct`` is RULER's string match with the task's metric (in [0, 1];
+    :func:`mmaccel.data.ruler.score`), ``correct_contains`` the same with ``part``. ``kept_fraction``: the K/V
+    bytes held over a full cache of what the side compressed (the whole prompt; in ``agnostic`` mode the context).
+    """
     from mmaccel.data.haystack import score_answer, score_answer_contains
+    from mmaccel.data.ruler import score
 
     by_id = {c["id"]: c for c in cases}
     for r in records:
         case = by_id[r["case"]]
         ok = r["status"] == "ok"
-        r.update(length=case["length"], depth=case["depth"], answer=case["answer"],
-                 correct=ok and score_answer(r.get("output_text", ""), case["answer"]),
-                 correct_contains=ok and score_answer_contains(r.get("output_text", ""), case["answer"]))
+        text = r.get("output_text") or ""
+        if "references" in case:
+            tokens = len(case["input_ids"]) - (case["n_question"] if r["mode"] == "agnostic" else 0)
+            r.update(length=case["length"], task=case["task"],
+                     correct=score(text, case["references"], case["metric"]) if ok else 0.0,
+                     correct_contains=score(text, case["references"], "part") if ok else 0.0)
+        else:
+            tokens = case["length"]
+            r.update(length=case["length"], depth=case["depth"], answer=case["answer"],
+                     correct=ok and score_answer(text, case["answer"]),
+                     correct_contains=ok and score_answer_contains(text, case["answer"]))
         kv = r.get("kv_cache_bytes")
-        r["kept_fraction"] = kv / (case["length"] * bytes_per_token) if ok and kv is not None else None
+        r["kept_fraction"] = kv / (tokens * bytes_per_token) if ok and kv is not None else None
     return records
 
 
@@ -654,18 +884,68 @@ def summarize(records: list[dict]) -> list[dict]:
             same = [sum(a == b for a, b in pairs), len(pairs)] if pairs else None
         rows.append({
             "side": key[0], "mode": key[1], "method": key[2], "ratio": key[3],
-            "correct": sum(bool(r["correct"]) for r in ok), "n": len(ok), "failed": len(rs) - len(ok),
-            "accuracy": sum(bool(r["correct"]) for r in ok) / len(ok) if ok else None,
-            "accuracy_contains": sum(bool(r["correct_contains"]) for r in ok) / len(ok) if ok else None,
+            "correct": sum(float(r["correct"]) for r in ok), "n": len(ok), "failed": len(rs) - len(ok),
+            "accuracy": sum(float(r["correct"]) for r in ok) / len(ok) if ok else None,
+            "accuracy_contains": sum(float(r["correct_contains"]) for r in ok) / len(ok) if ok else None,
             **{f: _median([r.get(f) for r in ok]) for f in ("kept_fraction", "kv_cache_bytes", "peak_memory_bytes",
                                                            "prefill_s", "decode_s")},
             "same_output": same, "counterpart": mate,
             "errors": list(dict.fromkeys(r["error"] for r in rs if r["error"]))[:3],
         })
     side_order = {("mmaccel", "whole"): 0, ("kvpress", "whole"): 1, ("kvpress", "context"): 2}
-    rows.sort(key=lambda row: (row["ratio"] is not None, row["ratio"] or 0.0,
-                               side_order.get((row["side"], row["mode"]), 3)))
+    mode_order = {m: i for i, m in enumerate(RULER_MODES)}
+    rows.sort(key=lambda row: (mode_order.get(row["mode"], -1), row["ratio"] is not None, row["ratio"] or 0.0,
+                               side_order.get((row["side"], row["mode"]), row["side"] != "mmaccel")))
     return rows
+
+
+def dedupe(records: list[dict]) -> list[dict]:
+    """One record per (side, mode, method, ratio, case): the last one (a resumed worker retries failed runs)."""
+    last = {(r["side"], r["mode"], r["method"], r["ratio"], r["case"]): r for r in records}
+    return list(last.values())
+
+
+def equal_bytes(rows: list[dict], budgets=(0.25, 0.10), slack: float = 0.02) -> list[dict]:
+    """The best row of each side per mode among those holding at most ``budget`` (x ``1 + slack``: ceilings and a
+    quantized cache's scales) of a full cache's K/V bytes (median ``kept_fraction``).
+
+    Returns
+    -------
+    list of dict
+        ``mode``, ``budget``, ``side``, ``method``, ``ratio``, ``accuracy``, ``kept_fraction``, ``n``; a side with no
+        row under the budget is absent. Rows with a failure or fewer cases than the most any row has are skipped.
+    """
+    most = max((r["n"] for r in rows), default=0)
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for budget in budgets:
+            for side in ("mmaccel", "kvpress"):
+                fit = [r for r in rows if r["mode"] == mode and r["side"] == side and r["accuracy"] is not None
+                       and r["kept_fraction"] is not None and r["kept_fraction"] <= budget * (1 + slack)
+                       and r["n"] == most and not r["failed"]]
+                if fit:
+                    best = max(fit, key=lambda r: r["accuracy"])
+                    out.append({"mode": mode, "budget": budget, "side": side, "method": best["method"],
+                                "ratio": best["ratio"], "accuracy": best["accuracy"],
+                                "kept_fraction": best["kept_fraction"], "n": best["n"]})
+    return out
+
+
+def equal_bytes_markdown(best: list[dict]) -> str:
+    """:func:`equal_bytes` as a markdown table: per mode and K/V budget, each side's best method and its accuracy."""
+    lines = ["| mode | K/V bytes held <= | mmaccel best | accuracy | kvpress best | accuracy |",
+             "|---|---:|---|---:|---|---:|"]
+    for mode in dict.fromkeys(b["mode"] for b in best):
+        for budget in dict.fromkeys(b["budget"] for b in best if b["mode"] == mode):
+            cell = {b["side"]: b for b in best if b["mode"] == mode and b["budget"] == budget}
+            parts = []
+            for side in ("mmaccel", "kvpress"):
+                b = cell.get(side)
+                parts += ["-", "-"] if b is None else [
+                    f"`{b['method']}`" + ("" if b["ratio"] is None else f" @{b['ratio']:g}") +
+                    f" ({b['kept_fraction']:.3f})", f"{b['accuracy']:.3f}"]
+            lines.append(f"| {mode} | {budget:.0%} | " + " | ".join(parts) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -683,7 +963,7 @@ def table_markdown(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             row["side"], MODE_TEXT.get(row["mode"], row["mode"]), f"`{row['method']}`",
             "-" if row["ratio"] is None else f"{row['ratio']:g}",
-            f"{row['correct']}/{row['n']}", _fmt(row["kept_fraction"], ".3f"),
+            f"{row['correct']:.3g}/{row['n']}", _fmt(row["kept_fraction"], ".3f"),
             _fmt(row["kv_cache_bytes"], ".2f", 2**20), _fmt(row["peak_memory_bytes"], ".1f", 2**20),
             _fmt(row["prefill_s"], ".2f"), "-" if same is None else f"{same[0]}/{same[1]}",
             str(row["failed"]) if row["failed"] else "",
@@ -698,9 +978,24 @@ def write_outputs(out: Path, records: list[dict], config: dict) -> dict:
         f.writelines(json.dumps(r) + "\n" for r in records)
     rows = summarize(records)
     summary = {"config": config, "rows": rows}
+    text = _table_header(config) + "\n" + table_markdown(rows)
+    if config.get("task") == "ruler":
+        summary["equal_bytes"] = equal_bytes(rows)
+        text += ("\n## At equal K/V bytes held (best of each side, all cases run)\n\n"
+                 + equal_bytes_markdown(summary["equal_bytes"]) + "\n" + RULER_TABLE_NOTE)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    (out / "table.md").write_text(_table_header(config) + "\n" + table_markdown(rows), encoding="utf-8")
+    (out / "table.md").write_text(text, encoding="utf-8")
     return summary
+
+
+RULER_TABLE_NOTE = (
+    "kvpress's KVzip, AdaKV and CriticalKV(AdaKV) keep head-wise budgets by masking evicted keys: they hold every K/V "
+    "byte (`kept` ~1), so they cannot enter a 25% or 10% budget. kvpress's DuoAttention is not run: its "
+    "attention patterns (or the calibration data to fit them) come from the model hub, which this machine cannot "
+    "reach. kvpress runs through its pipeline's code in both modes (aware: the whole prompt but its last token "
+    "compressed; agnostic: the context compressed, then the question), because KVzip compresses when its context "
+    "manager exits.\n"
+)
 
 
 def _table_header(config: dict) -> str:
@@ -708,9 +1003,11 @@ def _table_header(config: dict) -> str:
     mm = config.get("mmaccel_versions") or {}
     peak = {"rss": "RSS growth", "allocator": "torch's CPU allocations under the profiler, exact tensor bytes; the "
             "profiler's per-op cost is inside the timings"}[config.get("memory_meter", "rss")]
+    what = (f"{config['n_cases']} RULER samples per task ({', '.join(config['tasks'])}), accuracy = RULER's string "
+            "match (mean over samples)" if config.get("task") == "ruler" else f"{config['n_cases']} NIAH prompts")
     return (
         f"# mmaccel vs kvpress {kv.get('kvpress', '?')}: `{config['model']}`\n\n"
-        f"{config['n_cases']} NIAH prompts per length, lengths {config['lengths']}, {config['dtype']}, "
+        f"{what} per length, lengths {config['lengths']}, {config['dtype']}, "
         f"{config['threads']} thread(s), greedy, {config['max_new_tokens']} new tokens at most; "
         f"chat template: {config['chat_template']}. mmaccel: torch {mm.get('torch', '?')}, transformers "
         f"{mm.get('transformers', '?')}; kvpress side: torch {kv.get('torch', '?')}, transformers "
@@ -756,8 +1053,8 @@ def driver_main(args) -> dict:
     import torch
 
     import mmaccel.eval.memory
-    from mmaccel.pipeline import generation_kwargs, resolve_methods
     from mmaccel.models import load, resolve_model_path
+    from mmaccel.pipeline import generation_kwargs, resolve_methods
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -765,16 +1062,22 @@ def driver_main(args) -> dict:
     model_path = str(Path(resolve_model_path(args.model)).resolve())
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load(model_path, device="cpu", dtype=dtype, attn_implementation="sdpa")
+    ruler = args.task == "ruler"
     resolve_methods([spec for _, spec, _ in mmaccel_specs(args.mmaccel_methods, args.ratios)])  # errors up front
     for spec in args.kvpress_presses:
         parse_press_spec(spec)
-    built = build_cases(tokenizer, args.lengths, args.cases, args.ratios, seed=args.seed,
-                        chat_template=args.chat_template, haystack=args.haystack)
+    if ruler:
+        built = build_ruler_cases(tokenizer, args.tasks, args.lengths, args.cases, args.ratios, seed=args.seed,
+                                  chat_template=args.chat_template, haystack=args.haystack)
+    else:
+        built = build_cases(tokenizer, args.lengths, args.cases, args.ratios, seed=args.seed,
+                            chat_template=args.chat_template, haystack=args.haystack)
     job = {
         "model": model_path, "dtype": args.dtype, "threads": args.threads, "attn_implementation": "sdpa",
         "max_new_tokens": args.max_new_tokens, "ratios": list(args.ratios), "modes": list(args.kvpress_modes),
         "presses": list(args.kvpress_presses), "memory_meter": args.memory_meter,
-        "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()),
+        "memory_module": str(Path(mmaccel.eval.memory.__file__).resolve()), "task": args.task,
+        "lengths": [int(x) for x in args.lengths], "seed": args.seed, "resume": args.resume,
         "gen_kwargs": generation_kwargs(model, tokenizer), **built,
     }
     job_path = out / "cases.json"
@@ -782,7 +1085,16 @@ def driver_main(args) -> dict:
     bytes_per_token = kv_bytes_per_token(model.config, dtype)
 
     records: list[dict] = []
-    if "mmaccel" in args.sides:
+    if ruler:
+        from mmaccel.eval.sweep import read_sweeps
+
+        specs = mmaccel_specs(args.mmaccel_methods, args.ratios)
+        if args.mmaccel_ruler:
+            records += ruler_side_records(read_sweeps(args.mmaccel_ruler).records, specs, job["cases"])
+        if "mmaccel" in args.sides:
+            records += run_mmaccel_ruler_side(model, tokenizer, job, args.mmaccel_methods, out / "mmaccel_ruler",
+                                              tasks=args.tasks, n=args.cases, haystack=args.haystack)
+    elif "mmaccel" in args.sides:
         records += run_mmaccel_side(model, tokenizer, job, args.mmaccel_methods)
     del model
     gc.collect()
@@ -796,11 +1108,13 @@ def driver_main(args) -> dict:
         records += _read_jsonl(kv_path)
     for earlier in args.merge:
         records += merge_records(Path(earlier), job)
-    records = score_records(records, job["cases"], bytes_per_token)
+    records = score_records(dedupe(records), job["cases"], bytes_per_token)
     kv_versions = next((r["versions"] for r in records if r["side"] == "kvpress"), None)
     mm_versions = next((r["versions"] for r in records if r["side"] == "mmaccel"), None)
     config = {
-        "model": model_path, "lengths": list(args.lengths), "n_cases": args.cases, "ratios": list(args.ratios),
+        "model": model_path, "task": args.task, "tasks": [c for c in dict.fromkeys(
+            c.get("task") for c in job["cases"]) if c], "mmaccel_ruler": [str(d) for d in args.mmaccel_ruler],
+        "lengths": list(args.lengths), "n_cases": args.cases, "ratios": list(args.ratios),
         "threads": args.threads, "dtype": args.dtype, "memory_meter": args.memory_meter,
         "max_new_tokens": args.max_new_tokens, "seed": args.seed,
         "chat_template": job["chat_template"], "haystack": "builtin" if args.haystack is None else str(args.haystack),
@@ -837,9 +1151,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--venv", type=Path, default=Path("runs/kvpress-venv"),
                    help="kvpress virtual environment (created on first use)")
     p.add_argument("--out", type=Path, default=Path("runs/vs_kvpress"))
-    p.add_argument("--mmaccel-methods", nargs="+", default=list(DEFAULT_MMACCEL_METHODS))
-    p.add_argument("--kvpress-presses", nargs="+", default=list(DEFAULT_KVPRESS_PRESSES))
-    p.add_argument("--kvpress-modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--task", default="niah", choices=["niah", "ruler"],
+                   help="niah: the planted number (whole/context modes); ruler: RULER samples of `mmaccel ruler` "
+                        "(aware/agnostic modes, --cases samples per task)")
+    p.add_argument("--tasks", nargs="+", default=["all"], help="RULER tasks (--task ruler; default all 11)")
+    p.add_argument("--mmaccel-methods", nargs="+", default=None,
+                   help="mmaccel specs ({r}: the ratio); default per --task")
+    p.add_argument("--kvpress-presses", nargs="+", default=None, help="kvpress specs; default per --task")
+    p.add_argument("--kvpress-modes", nargs="+", default=None, choices=MODES + RULER_MODES,
+                   help="default: whole context (niah), aware agnostic (ruler)")
+    p.add_argument("--mmaccel-ruler", nargs="+", type=Path, default=[], metavar="DIR",
+                   help="--task ruler: take mmaccel's records from these `mmaccel ruler --out` folders (same model, "
+                        "seed, chat template; their samples that are cases here) instead of or beside --sides mmaccel")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished runs of an earlier call with the same --out (both sides)")
     p.add_argument("--sides", nargs="*", default=["mmaccel", "kvpress"], choices=["mmaccel", "kvpress"],
                    help="which sides run (none with --merge: only merge earlier folders into one table)")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
@@ -859,7 +1184,16 @@ def main(argv=None) -> int:
         args = p.parse_args(argv)
         worker_main(args.cases, args.out)
         return 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ruler = args.task == "ruler"
+    args.mmaccel_methods = args.mmaccel_methods or list(RULER_MMACCEL_METHODS if ruler else DEFAULT_MMACCEL_METHODS)
+    args.kvpress_presses = args.kvpress_presses or list(RULER_PRESSES if ruler else DEFAULT_KVPRESS_PRESSES)
+    args.kvpress_modes = args.kvpress_modes or list(RULER_MODES if ruler else MODES)
+    wrong = [m for m in args.kvpress_modes if m not in (RULER_MODES if ruler else MODES)]
+    if wrong:
+        parser.error(f"--kvpress-modes {' '.join(wrong)} do not fit --task {args.task}; use "
+                     f"{' '.join(RULER_MODES if ruler else MODES)}")
     summary = driver_main(args)
     print(table_markdown(summary["rows"]))
     return 0

@@ -45,7 +45,21 @@ from ..longctx.compress import answer, compress, compress_shared, needs_question
 from ..pipeline import generation_kwargs, resolve_methods
 from .generation import RunRecord, generate_measured, load_average, median_or_none
 from .memory import PeakMemory
-from .sweep import Cell, run_measured_group, save_figure, shares_prefill, sweep
+from .sweep import (
+    MANIFEST,
+    RESULTS,
+    SUMMARY,
+    Cell,
+    check_out_dir,
+    read_records,
+    run_measured_group,
+    save_figure,
+    shares_prefill,
+    sweep,
+    sweep_block,
+    write_atomic,
+    write_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +122,8 @@ def build_samples(tokenizer, tasks: Sequence[str], lengths: Sequence[int], n: in
     Returns
     -------
     dict
-        ``"task/L=length/i=index"`` -> :class:`~mmaccel.data.ruler.RulerSample`, in task, length, index order.
+        ``"task/L=length/i=index"`` -> :class:`~mmaccel.data.ruler.RulerSample`, in index, task, length order, so
+        that a sweep cut short (to be resumed) has covered every task and length with its first samples.
 
     Raises
     ------
@@ -121,7 +136,7 @@ def build_samples(tokenizer, tasks: Sequence[str], lengths: Sequence[int], n: in
         raise ValueError(f"lengths must be positive token counts, got {list(lengths)}")
     return {f"{t}/L={int(length)}/i={i}": make_ruler_sample(tokenizer, t, int(length), seed=seed + i,
                                                             haystack=haystack, chat_template=chat_template, qa=qa)
-            for t in tasks for length in lengths for i in range(n)}
+            for i in range(n) for t in tasks for length in lengths}
 
 
 def _answers(sample: RulerSample, texts: Sequence[str]) -> tuple[float, list[dict]]:
@@ -186,7 +201,7 @@ def summarize(records: list[dict]) -> dict:
                 (label, task, length, mode)]
         ok = [r for r in rows if r["status"] == "ok"]
 
-        def ratios(get):
+        def ratios(get, ok=ok, mode=mode):
             return median_or_none([_ratio(get(r), get(full[(r["extra"]["sample"], mode)])) for r in ok
                                    if (r["extra"]["sample"], mode) in full])
 
@@ -451,3 +466,67 @@ def run_ruler(
                    report=report, write_extra=lambda out, summary, records: write_plots(out, summary),
                    run_group=run_group, config=config, progress=progress, desc="ruler")
     return RulerResult(records=result.records, summary=result.summary, out_dir=result.out_dir)
+
+
+def merge_ruler(in_dirs: Sequence, out, *, overwrite: bool = False) -> RulerResult:
+    """One summary, heatmaps and Pareto plot from several RULER sweep folders (finished or still running), with their
+    records gzipped (``results.jsonl.gz``).
+
+    Sweeps of other methods on the same samples each hold their own ``full`` (it is always run); a cell found in
+    several folders (same method, sample and mode) is taken from the first folder that has it, so ``full`` counts
+    once. ``summary["sweep"]`` says how many of the folders' expected cells were found; ``summary["config"]`` is the
+    first folder's, with ``merged_from`` and every folder's methods.
+
+    Parameters
+    ----------
+    in_dirs : sequence of path
+        ``mmaccel ruler --out`` folders; a torn last record of a running sweep is skipped.
+    out : path
+        A new or empty folder (or ``overwrite``), not one of ``in_dirs``.
+
+    Returns
+    -------
+    RulerResult
+
+    Raises
+    ------
+    FileNotFoundError
+        A folder without ``results.jsonl`` (nor ``.gz``).
+    ValueError
+        ``out`` is one of ``in_dirs`` or not empty without ``overwrite``; the folders ran different samples (seed,
+        chat template, haystack).
+    """
+    import gzip
+    import json
+
+    out = Path(out)
+    if any(Path(d).resolve() == out.resolve() for d in in_dirs):
+        raise ValueError(f"--out {str(out)!r} is one of the folders merged; pass another folder")
+    check_out_dir(out, overwrite=overwrite)
+    records: dict = {}
+    expected: dict = {}
+    configs = []
+    for d in map(Path, in_dirs):
+        path = next((d / n for n in (RESULTS, RESULTS + ".gz") if (d / n).is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"{d} holds no results.jsonl; pass folders written by `mmaccel ruler --out`")
+        for r in read_records(path):
+            records.setdefault(r.get("cell_id"), r)
+        if (d / MANIFEST).is_file():
+            manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+            expected.update(dict.fromkeys(manifest.get("cells", [])))
+            configs.append(manifest.get("config", {}))
+    same = {"seed", "chat_template", "haystack", "qa_file"}
+    if len({json.dumps({k: c.get(k) for k in same}, sort_keys=True) for c in configs}) > 1:
+        raise ValueError("the folders ran different samples (seed, chat template, haystack or QA file differ); "
+                         "merge only sweeps of the same samples")
+    rows = list(records.values())
+    summary = summarize(rows)
+    summary["config"] = {**(configs[0] if configs else {}), "merged_from": [str(d) for d in in_dirs],
+                         "methods": list(dict.fromkeys(m for c in configs for m in c.get("methods", [])))}
+    summary["sweep"] = sweep_block(len(expected) or len(rows), rows)
+    write_atomic(out / "results.jsonl.gz", gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(),
+                                                         mtime=0))
+    write_json(out / SUMMARY, summary)
+    write_plots(out, summary)
+    return RulerResult(records=rows, summary=summary, out_dir=out)
