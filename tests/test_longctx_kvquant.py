@@ -39,6 +39,11 @@ def test_codes_and_packing_hand_computed():
     assert codes.tolist() == [[0 | 15 << 4]] and scale.item() == 2.0 and zero.item() == 2.0
     raw = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
     assert torch.equal(unpack(pack(raw, 4), 4), raw)
+    # the layout: the D codes are cut into 8 // bits slices; byte j holds code j of every slice, slice 0 lowest
+    assert pack(torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8), 4).tolist() == [[1 | 3 << 4, 2 | 4 << 4]]
+    scale, zero = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([[0.5, 0.0, 0.0, -1.0]])  # per channel
+    assert dequantize(torch.tensor([[1 | 3 << 4, 2 | 4 << 4]], dtype=torch.uint8), scale, zero, 4).tolist() == \
+        [[1.5, 4.0, 9.0, 15.0]]
     x = torch.randn(5, 64)
     codes, scale, zero = quantize(x, 8, dim=-1)
     assert codes.shape == (5, 64) and bool(((dequantize(codes, scale, zero, 8) - x).abs() <= scale / 2 + 1e-6).all())

@@ -440,3 +440,15 @@ def test_chunked_refuses_a_custom_4d_mask(sdpa):
 def test_streaming_ratio_and_window_are_exclusive():
     with pytest.raises(ValueError, match="not both"):
         StreamingLLM(window=8, ratio=0.5)
+
+
+def test_h2o_decode_probabilities_equal_the_blocked_column_sums_of_one_query():
+    """H2O's one-query decode path (no mask, no blocks) gives the same per-slot attention as the general causal
+    column sums averaged over each GQA group."""
+    from mmaccel.longctx.h2o import accumulated_attention, decode_attention_probs
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 6, 1, 8), torch.randn(2, 3, 11, 8)
+    expected = mean_over_query_groups(accumulated_attention(q, k, scaling=0.3), 3)
+    torch.testing.assert_close(decode_attention_probs(q, k, 0.3), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(decode_attention_probs(q, k).sum(-1), torch.ones(2, 3))

@@ -109,8 +109,11 @@ def test_decode_logits_after_real_page_selection_match_a_per_head_masked_referen
     # read fraction: 2 full pages of 4 = 8 rows, except when the newest page is partial
     expected = [(4 + (t % page) + 1) / (t + 1) for t in range(prompt, total)]
     assert telemetry["kv_read_fraction_per_step"] == pytest.approx(expected, abs=1e-6)
-    assert telemetry["kv_cache_bytes"] == LAYERS * 2 * HKV * total * D * 4  # full storage: Quest bounds reads
-    assert telemetry["bookkeeping_bytes"] == LAYERS * 2 * HKV * math.ceil(total / page) * D * 4
+    # full storage (Quest bounds reads), in growable stores with at most 1/32 spare room (append_slots)
+    full_bytes = LAYERS * 2 * HKV * total * D * 4
+    assert full_bytes <= telemetry["kv_cache_bytes"] <= full_bytes * (1 + 1 / 32)
+    bounds = LAYERS * 2 * HKV * math.ceil(total / page) * D * 4
+    assert bounds <= telemetry["bookkeeping_bytes"] <= bounds * (1 + 1 / 32) + LAYERS * 2 * HKV * D * 4
 
 
 def test_ratio_reads_that_fraction_of_the_context(sdpa):

@@ -121,6 +121,52 @@ def held_tokens(layer) -> int:
     return int(keys.shape[-2])
 
 
+#: spare room a growable layer allocates on growth, as a fraction of what it then holds (see :func:`append_slots`):
+#: decode steps write their token in place, and the layer copies its store once per ``held / 32`` steps instead of
+#: at every step, for at most 1/32 more bytes (none below 32 slots)
+SPARE_FRACTION = 1 / 32
+
+
+def append_slots(store: torch.Tensor | None, held: torch.Tensor, new: torch.Tensor,
+                 spare: float = SPARE_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``new`` to ``held`` along dim 2 in the spare room of ``store``, growing it only when it is full.
+
+    ``DynamicLayer.update`` concatenates, copying every held slot at every decode step (at 4k tokens on a CPU that
+    copy moves more bytes than the attention reads). Here ``held`` is a prefix view of ``store`` (dim 2) and ``new``
+    is written after it in place; when ``held`` is not such a view (first call, after a gather) or the room is too
+    small, a new store of ``S + q + floor(spare * (S + q))`` slots is allocated and ``held`` copied once.
+
+    Parameters
+    ----------
+    store : torch.Tensor or None
+        [B, H, C, ...] the buffer ``held`` may live in (``None``: none yet).
+    held : torch.Tensor
+        [B, H, S, ...] what the layer holds.
+    new : torch.Tensor
+        [B, H, q, ...] what to append (cast to ``held``'s dtype).
+    spare : float
+        Extra room allocated on growth, a fraction of the slots then held (default 1/32; 0: none). It counts in
+        :func:`kv_cache_bytes`, which measures storages.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        The store and the new held view [B, H, S + q, ...] (a prefix of the store). Views returned earlier keep
+        their content: only slots past them are written.
+    """
+    if held.dim() != new.dim() or held.numel() == 0:  # nothing held yet (DynamicLayer starts from a 1-D empty)
+        held = new[:, :, :0]
+    S, q = held.shape[2], new.shape[2]
+    fits = (store is not None and held.numel() and held.data_ptr() == store.data_ptr()
+            and held.stride() == store.stride() and held.shape[:2] == store.shape[:2]
+            and held.shape[3:] == store.shape[3:] and held.dtype == store.dtype and S + q <= store.shape[2])
+    if not fits:
+        store = held.new_empty(*held.shape[:2], S + q + int(spare * (S + q)), *held.shape[3:])
+        store[:, :, :S].copy_(held)
+    store[:, :, S:S + q].copy_(new)
+    return store, store[:, :, :S + q]
+
+
 # --------------------------------------------------------------------------------------------------------- padding
 def has_padding(attention_mask) -> bool:
     """Whether the mask an attention module received hides any key from the last query (a padded batch).
@@ -405,6 +451,7 @@ class EvictingLayer(DynamicLayer):
         self.prefill_length = 0
         self.evicted_length = 0  # tokens seen at the last keep(): slots appended later can be cropped exactly
         self.free: torch.Tensor | None = None  # [B, Hkv] a dead slot per row and head, overwritten by the next token
+        self._stores: dict[str, torch.Tensor] = {}  # growable buffers behind keys/values/positions/state (append_slots)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -443,12 +490,17 @@ class EvictingLayer(DynamicLayer):
                 return self._write_free(key_states, value_states)
             self._drop_free()
         new_pos = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.positions.device)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_pos.expand(B, H, q)], dim=-1)
+        stores = self._stores
+        # a layer that evicts in place never grows past target + 1 slots: no spare room for it
+        spare = 0 if getattr(self, "in_place_ok", False) else SPARE_FRACTION
+        stores["k"], self.keys = append_slots(stores.get("k"), self.keys, key_states, spare)
+        stores["v"], self.values = append_slots(stores.get("v"), self.values, value_states, spare)
+        stores["p"], self.positions = append_slots(stores.get("p"), self.positions, new_pos.expand(B, H, q), spare)
         for name, state in self.slot_state.items():
             fill, dtype = self._fills[name]
-            self.slot_state[name] = torch.cat([state, state.new_full((B, H, q), fill)], dim=-1)
+            key = "state:" + name
+            stores[key], self.slot_state[name] = append_slots(stores.get(key), state, state.new_full((B, H, q), fill),
+                                                              spare)
         self.cumulative_length += q
         return self.keys, self.values
 
@@ -490,6 +542,7 @@ class EvictingLayer(DynamicLayer):
             slot of :meth:`evict_one` must not be among them; it is forgotten.
         """
         self.free = None
+        self._stores = {}  # the gathered tensors below are new: drop the old buffers (their memory is freed)
         if indices.dim() == 1:
             indices = indices.expand(*self.keys.shape[:2], -1)
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -516,6 +569,7 @@ class EvictingLayer(DynamicLayer):
         super().reset()
         self.positions = None
         self.slot_state.clear()
+        self._stores = {}
         self.target = None
         self.prefill_length = 0
         self.evicted_length = 0

@@ -47,36 +47,74 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes of ``bits`` bits, ``8 // bits`` per byte along the last dimension (low bits first)."""
+    """Pack uint8 codes of ``bits`` bits, ``8 // bits`` per byte along the last dimension.
+
+    The last dimension (``D`` codes) is cut into ``8 // bits`` consecutive slices of ``D * bits / 8``; byte ``j``
+    holds code ``j`` of slice 0 in its low bits, code ``j`` of slice 1 in the next ``bits``, and so on, so unpacking
+    writes each slice as one contiguous run of columns (:func:`dequantize`)."""
     per = 8 // bits
     if per == 1:
         return codes
-    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-    return (c << shifts).sum(-1).to(torch.uint8)
+    c = codes.reshape(*codes.shape[:-1], per, codes.shape[-1] // per).to(torch.int32)
+    shifts = (torch.arange(per, device=codes.device, dtype=torch.int32) * bits)[:, None]
+    return (c << shifts).sum(-2).to(torch.uint8)
+
+
+def _slices(packed: torch.Tensor, bits: int):
+    """The code slices of :func:`pack`'s layout: ``(i, uint8 codes of slice i)`` for each of the ``8 // bits``."""
+    per = 8 // bits
+    if per == 1:
+        yield 0, packed
+        return
+    mask = (1 << bits) - 1
+    for i in range(per):
+        yield i, (packed >> (i * bits)) & mask if i else packed & mask
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: uint8 codes with the last dimension multiplied by ``8 // bits``.
 
-    Works in uint8 throughout (one shift and mask per code position), so a decode step's unpack moves bytes, not
-    int32 words."""
+    Works in uint8 throughout (one shift and mask per slice), so a decode step's unpack moves bytes, not int32
+    words."""
     per = 8 // bits
     if per == 1:
         return packed
-    mask = (1 << bits) - 1
-    codes = torch.stack([(packed >> (i * bits)) & mask for i in range(per)], dim=-1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    return torch.cat([codes for _, codes in _slices(packed, bits)], dim=-1)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``unpack(codes) * scale + zero`` in the scale's dtype; written into ``out`` (shaped as the result) when given,
-    so a decode step reuses one buffer instead of allocating."""
+    """``unpack(codes) * scale + zero`` in the scale's dtype, one fused multiply-add per code slice read straight
+    from the packed bytes (no unpacked copy, no separate multiply and add passes over the result).
+
+    Parameters
+    ----------
+    codes : torch.Tensor
+        uint8 [..., n, D * bits / 8] packed codes (:func:`pack`).
+    scale, zero : torch.Tensor
+        Broadcastable to [..., n, D]: a last dimension of ``D`` (per-channel) or 1 (per-token).
+    bits : {2, 4, 8}
+    out : torch.Tensor, optional
+        [..., n, D] written in place (a decode step reuses one buffer instead of allocating).
+
+    Returns
+    -------
+    torch.Tensor
+        [..., n, D] in ``scale``'s dtype (``out`` when given).
+    """
+    width = codes.shape[-1]
+    D = width * (8 // bits)
     if out is None:
-        return unpack(codes, bits).to(scale.dtype) * scale + zero
-    out.copy_(unpack(codes, bits))
-    return out.mul_(scale).add_(zero)
+        out = torch.empty(*torch.broadcast_shapes(codes.shape[:-1] + (D,), scale.shape, zero.shape),
+                          dtype=scale.dtype, device=codes.device)
+    per_channel = scale.shape[-1] != 1
+
+    def cut(t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[..., i * width:(i + 1) * width] if per_channel else t
+
+    for i, c in _slices(codes, bits):
+        torch.addcmul(cut(zero, i), c, cut(scale, i), out=out[..., i * width:(i + 1) * width])
+    return out
 
 
 class _Scratch:
