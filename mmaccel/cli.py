@@ -503,8 +503,8 @@ def cmd_compare(args) -> int:
     from .eval.niah import build_samples
 
     chat = resolve_chat_template(tokenizer, args.chat_template)
-    build_samples(tokenizer, [args.length], depths, trials, seed=args.seed, haystack=args.haystack,
-                  chat_template=chat, **templates)  # a too-short length fails here, before the model loads
+    samples = build_samples(tokenizer, [args.length], depths, trials, seed=args.seed, haystack=args.haystack,
+                            chat_template=chat, **templates)  # a too-short length fails here, before the model loads
     model, tokenizer = _load_model(args)
     device = next(model.parameters()).device
     bandwidth = memory_bandwidth(device)
@@ -513,7 +513,7 @@ def cmd_compare(args) -> int:
         model, tokenizer, args.methods, [args.length], depths, trials, seed=args.seed, haystack=args.haystack,
         chat_template=chat, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
         out_dir=args.out, progress=None, resume=args.resume, overwrite=args.overwrite,
-        shared_prefill=args.shared_prefill, **templates,
+        shared_prefill=args.shared_prefill, samples=samples, **templates,
     )
     rows = niah_docs_rows(result.records, bandwidth_gbps=bandwidth.gbps, weight_bytes=weights)
     first = result.records[0]
@@ -525,7 +525,9 @@ def cmd_compare(args) -> int:
     print(niah_docs_markdown(rows))
     if any(r["shared_prefill"] for r in rows):
         print("(shared): these methods shared one full prefill per document, so their prefill speed is full's plus "
-              "their own compression and their peak memory is not measured; --no-shared-prefill measures each alone")
+              "their own compression; their peak memory is their own phase (the K/V they kept plus their decode's "
+              "measured growth) and the shared prefill's peak (the group's) is its own column; --no-shared-prefill "
+              "measures each alone")
     out = Path(args.out) / "compare.json"
     write_atomic(out, json.dumps({"length": args.length, "depths": depths, "trials": trials,
                                   "bandwidth_gbps": bandwidth.gbps, "decode_weight_bytes": weights,

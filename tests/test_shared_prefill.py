@@ -16,7 +16,7 @@ from mmaccel.longctx.base import _kv_tensors, held_tokens
 from mmaccel.longctx.shared_prefill import SharedPrefill, shares_prefill
 
 MICRO_LM = Path(__file__).resolve().parents[1] / "assets" / "models" / "micro-lm"
-NEW = 8
+NEW = 5  # enough steps for the evicting methods to leave full's greedy path (test_budgets_change_the_output)
 
 # Every method the shared prefill serves, at budgets far below the prompt (150-200 tokens): each one evicts (or, for
 # kvquant without eviction, quantizes; for quest, reads pages sparsely at decode).
@@ -44,6 +44,7 @@ OWN_PREFILL = {
     "bilevel": "bilevel",
     "longheads": "longheads",
     "kvzip": "kvzip",  # the reconstruction pass follows its own prefill
+    "minference": "minference",  # a sparse prefill
 }
 
 
@@ -133,7 +134,11 @@ def test_timings_say_what_they_are(setup):
         assert r.extra["shared_group_s"] >= r.ttft_s
         assert r.decode_s > 0 and r.tokens_per_s == pytest.approx((NEW - 1) / r.decode_s)
         assert r.prompt_tokens == ids.shape[1] and len(r.samples) == 1
-        assert r.peak_memory_method == "unavailable"
+        # memory: the method's own phase (its kept K/V + its decode's measured growth) and the group's prefill peak
+        assert r.peak_memory_method == "kv_kept+rss_delta_sampled"
+        assert r.peak_memory_bytes == r.kv_cache_bytes_prefill + r.extra["decode_peak_bytes"]
+        assert r.extra["shared_prefill_peak_method"] == "rss_delta_sampled"
+    assert len({r.extra["shared_prefill_peak_bytes"] for r in shared}) == 1
 
 
 def test_one_new_token_needs_no_decode(micro_lm):
@@ -143,6 +148,7 @@ def test_one_new_token_needs_no_decode(micro_lm):
     own = generate_measured(model, tokenizer, ids, method="snapkv:budget=48:window=8", max_new_tokens=1, warmup=0)
     assert recs[0].output_ids == own.output_ids and recs[0].new_tokens == 1
     assert recs[0].decode_s == 0.0 and recs[0].tokens_per_s is None
+    assert recs[0].extra["decode_peak_bytes"] == 0 and recs[0].peak_memory_bytes == recs[0].kv_cache_bytes_prefill
     assert recs[0].method == build_method("snapkv:budget=48:window=8").spec  # no label: the spec
 
 

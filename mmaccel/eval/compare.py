@@ -304,19 +304,30 @@ def compare(
 NIAH_DOCS_METHODS = ("full", "chunkkv:method=snapkv,ratio=0.25", "kvquant:bits=4", "streaming:ratio=0.25")
 
 
-def _per_doc_ratio(records: list[dict], label: str, key: str, *, invert: bool = False) -> float | None:
-    """Median over documents of ``record[key] / full's record[key]`` on the same document (``invert``: full / it)."""
+def _per_doc_ratio(records: list[dict], label: str, key: str, *, invert: bool = False,
+                   same: str | None = None) -> float | None:
+    """Median over documents of ``record[key] / full's record[key]`` on the same document (``invert``: full / it);
+    with ``same``, only documents where the record's ``same`` field equals full's (e.g. the same memory meter)."""
     def doc(r):
         return r["extra"].get("length"), r["extra"].get("depth"), r["extra"].get("trial")
 
-    full = {doc(r): r.get(key) for r in records if r.get("method_name") == "full" and r["status"] == "ok"}
+    full = {doc(r): r for r in records if r.get("method_name") == "full" and r["status"] == "ok"}
     ratios = []
     for r in records:
-        base = full.get(doc(r))
+        ref = full.get(doc(r))
+        base = None if ref is None else ref.get(key)
         if r["method"] != label or r["status"] != "ok" or not base or r.get(key) is None:
+            continue
+        if same is not None and r.get(same) != ref.get(same):
             continue
         ratios.append(base / r[key] if invert else r[key] / base)
     return median_or_none(ratios)
+
+
+def _refusal(failed: list[dict]) -> str | None:
+    """The one error every failed record of a method shares (a refusal), else ``None``."""
+    errors = {str(r.get("error") or "").strip() for r in failed}
+    return errors.pop() if len(errors) == 1 else None
 
 
 def niah_docs_rows(records: list[dict], *, bandwidth_gbps: float | None = None,
@@ -336,10 +347,16 @@ def niah_docs_rows(records: list[dict], *, bandwidth_gbps: float | None = None,
     Returns
     -------
     list of dict
-        ``method``, ``n`` (successful documents), ``failed``, ``correct`` / ``correct_contains`` (counts, strict and
-        lenient), ``kv_bytes`` (median K/V bytes after prefill), and medians over documents of the ratios to ``full``
-        on the same document: ``kv_ratio``, ``peak_memory_ratio``, ``prefill_ratio`` (full's TTFT / the method's:
-        > 1 is faster), ``decode_ratio`` (tokens/s over full's); ``roofline_fraction`` when measurable.
+        ``method``, ``n`` (successful documents), ``failed``, ``refused`` (the error every document failed with, when
+        there is one and no document succeeded; else ``None``), ``correct`` / ``correct_contains`` (counts, strict and
+        lenient), ``kv_bytes`` (median K/V bytes after prefill), ``peak_bytes`` (median ``peak_memory_bytes``: for
+        members of a shared prefill their own phase, kept K/V plus their decode's growth, see
+        :mod:`mmaccel.eval.shared`; otherwise the whole run's growth), ``peak_method`` (how, one string or several
+        joined by ``", "``), ``prefill_peak_bytes`` (median of the shared prefill's peak, the group's; ``None``
+        without one), and medians over documents of the ratios to ``full`` on the same document: ``kv_ratio``,
+        ``peak_memory_ratio`` (only over documents where full's peak was measured the same way), ``prefill_ratio``
+        (full's TTFT / the method's: > 1 is faster), ``decode_ratio`` (tokens/s over full's);
+        ``roofline_fraction`` when measurable.
     """
     from ..kernels.roofline import roofline_fraction
 
@@ -349,11 +366,15 @@ def niah_docs_rows(records: list[dict], *, bandwidth_gbps: float | None = None,
         ok = [r for r in mine if r["status"] == "ok"]
         row = {
             "method": label, "n": len(ok), "failed": len(mine) - len(ok),
+            "refused": None if ok else _refusal(mine),
             "correct": sum(bool(r["extra"].get("correct")) for r in ok),
             "correct_contains": sum(bool(r["extra"].get("correct_contains")) for r in ok),
             "kv_bytes": median_or_none([r.get("kv_cache_bytes_prefill") for r in ok]),
+            "peak_bytes": median_or_none([r.get("peak_memory_bytes") for r in ok]),
+            "peak_method": ", ".join(dict.fromkeys(r.get("peak_memory_method") or "unavailable" for r in ok)) or None,
+            "prefill_peak_bytes": median_or_none([r["extra"].get("shared_prefill_peak_bytes") for r in ok]),
             "kv_ratio": _per_doc_ratio(records, label, "kv_cache_bytes_prefill"),
-            "peak_memory_ratio": _per_doc_ratio(records, label, "peak_memory_bytes"),
+            "peak_memory_ratio": _per_doc_ratio(records, label, "peak_memory_bytes", same="peak_memory_method"),
             "prefill_ratio": _per_doc_ratio(records, label, "ttft_s", invert=True),
             "decode_ratio": _per_doc_ratio(records, label, "tokens_per_s"),
             "shared_prefill": any(r["extra"].get("shared_prefill") for r in ok),
@@ -366,18 +387,36 @@ def niah_docs_rows(records: list[dict], *, bandwidth_gbps: float | None = None,
     return rows
 
 
-def niah_docs_markdown(rows: list[dict]) -> str:
-    """The rows of :func:`niah_docs_rows` as a Markdown table (ratios to ``full`` on the same documents)."""
-    roofline = any("roofline_fraction" in r for r in rows)
-    header = ["method", "correct", "K/V bytes", "K/V vs full", "peak mem vs full", "prefill speed vs full",
-              "decode speed vs full"] + (["decode / roofline"] if roofline else [])
+def niah_docs_markdown(rows: list[dict], *, speed: bool = True) -> str:
+    """The rows of :func:`niah_docs_rows` as a Markdown table (ratios to ``full`` on the same documents).
+
+    Columns: method, correct n/N (or ``refused: <reason>`` when every document failed with one error), K/V bytes and
+    ratio, the peak memory (bytes; a member of a shared prefill marks it ``(own phase)``) and its ratio to full's
+    measured the same way, the shared prefill's peak (when any row shared one), and with ``speed`` the prefill and
+    decode speed ratios (plus the roofline fraction when measured). ``speed=False`` leaves the timings out (for a
+    record taken on a loaded machine).
+    """
+    roofline = speed and any("roofline_fraction" in r for r in rows)
+    shared = any(r.get("prefill_peak_bytes") is not None for r in rows)
+    header = (["method", "correct", "K/V bytes", "K/V vs full", "peak mem", "peak mem vs full"]
+              + (["shared prefill peak"] if shared else [])
+              + (["prefill speed vs full", "decode speed vs full"] if speed else [])
+              + (["decode / roofline"] if roofline else []))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for r in rows:
-        correct = f"{r['correct']}/{r['n']}" + (f" ({r['failed']} failed)" if r["failed"] else "")
+        if r.get("refused"):
+            correct = _cell(f"refused: {r['refused']}", 90)
+        else:
+            correct = f"{r['correct']}/{r['n']}" + (f" ({r['failed']} failed)" if r["failed"] else "")
+        own = r.get("prefill_peak_bytes") is not None
         cells = [r["method"], correct, format_bytes(r["kv_bytes"]), _num(r["kv_ratio"], ".3f"),
-                 _num(r["peak_memory_ratio"], ".2f"),
-                 _num(r["prefill_ratio"], ".2f") + (" (shared)" if r["shared_prefill"] else ""),
-                 _num(r["decode_ratio"], ".2f")]
+                 format_bytes(r.get("peak_bytes")) + (" (own phase)" if own and r.get("peak_bytes") else ""),
+                 _num(r["peak_memory_ratio"], ".2f")]
+        if shared:
+            cells.append(format_bytes(r.get("prefill_peak_bytes")))
+        if speed:
+            cells += [_num(r["prefill_ratio"], ".2f") + (" (shared)" if r["shared_prefill"] else ""),
+                      _num(r["decode_ratio"], ".2f")]
         if roofline:
             cells.append(_num(r.get("roofline_fraction"), ".0%"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -193,6 +193,39 @@ def build_samples(
         raise NIAHLengthError(exc.length, exc.fixed, minimum) from None
 
 
+def check_samples(samples: Sequence, lengths: Sequence[int], depths: Sequence[float], trials: int, *,
+                  chat_template: bool) -> list[tuple[int, NIAHSample]]:
+    """Check prebuilt prompts against a sweep's arguments: exactly one ``(trial, NIAHSample)`` per (length, depth,
+    trial), in :func:`build_samples`' order, laid out with the sweep's chat-template setting.
+
+    Returns
+    -------
+    list of (trial, NIAHSample)
+
+    Raises
+    ------
+    ValueError
+        Naming the first mismatch and the fix (build them with ``build_samples`` and the same arguments).
+    """
+    expected = [(int(n), float(d), t) for n in lengths for d in depths for t in range(trials)]
+    samples = list(samples)
+    fix = "; build them with build_samples(...) and the same lengths, depths, trials and chat template"
+    if len(samples) != len(expected):
+        raise ValueError(f"samples holds {len(samples)} prompts, the sweep needs {len(expected)} "
+                         f"(lengths x depths x trials){fix}")
+    for i, (item, (length, depth, trial)) in enumerate(zip(samples, expected)):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], NIAHSample)):
+            raise ValueError(f"samples[{i}] is not a (trial, NIAHSample) pair{fix}")
+        t, sample = item
+        if (sample.length, sample.depth, t) != (length, depth, trial):
+            raise ValueError(f"samples[{i}] is (length {sample.length}, depth {sample.depth:g}, trial {t}), the sweep "
+                             f"expects (length {length}, depth {depth:g}, trial {trial}) there{fix}")
+        if bool(sample.chat_template) != bool(chat_template):
+            raise ValueError(f"samples[{i}] was built with chat_template={sample.chat_template}, the sweep runs with "
+                             f"{bool(chat_template)}{fix}")
+    return [(int(t), sample) for t, sample in samples]
+
+
 @dataclass
 class NIAHResult:
     """The outcome of :func:`run_niah`.
@@ -489,6 +522,7 @@ def run_niah(
     overwrite: bool = False,
     shared_prefill: bool = True,
     report=None,
+    samples: Sequence[tuple[int, NIAHSample]] | None = None,
 ) -> NIAHResult:
     """Run a NIAH sweep: every method on every (length, depth, trial) prompt through the sweep harness
     (:func:`mmaccel.eval.sweep.sweep`: methods interleaved per prompt, records appended and fsynced as they finish,
@@ -542,6 +576,9 @@ def run_niah(
         which needs separate runs); ``False`` runs every method separately.
     report : callable ``(summary) -> None``, optional
         Called before ``summary.json`` and the heatmaps are written (the CLI prints its table there).
+    samples : list of (trial, NIAHSample), optional
+        The prompts, already built by :func:`build_samples` with these arguments (a caller that built them to
+        check its input first need not tokenize the haystack twice). Default: built here.
 
     Returns
     -------
@@ -552,7 +589,8 @@ def run_niah(
     ValueError, FileNotFoundError
         Configuration errors, all before the first run and before any file is touched: an unknown method or bad
         method arguments, bad lengths/depths/trials, a length too small for the needle, bad templates,
-        ``chat_template="on"`` for a tokenizer without one, a missing haystack file, a sharded sweep without
+        ``chat_template="on"`` for a tokenizer without one, a missing haystack file, ``samples`` that are not
+        one per (length, depth, trial) of the arguments (:func:`check_samples`), a sharded sweep without
         ``out_dir``, a non-empty ``out_dir`` without ``resume``/``overwrite``, resuming a folder of another sweep.
         Failures of single runs (e.g. out of memory) are recorded as ``status="failed"`` and the sweep goes on.
     RuntimeError
@@ -562,10 +600,13 @@ def run_niah(
     resolved = resolve_methods(methods)
     check_cpu_meter(memory_meter, "memory_meter")
     use_chat = resolve_chat_template(tokenizer, chat_template)
-    samples = build_samples(
-        tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,
-        needle_template=needle_template, question_template=question_template, chat_template=use_chat,
-    )
+    if samples is None:
+        samples = build_samples(
+            tokenizer, lengths, depths, trials, seed=seed, haystack=haystack,
+            needle_template=needle_template, question_template=question_template, chat_template=use_chat,
+        )
+    else:
+        samples = check_samples(samples, lengths, depths, trials, chat_template=use_chat)
     warm = warmup_sample(tokenizer, seed=seed, chat_template=use_chat, haystack=haystack,
                          needle_template=needle_template, question_template=question_template)
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]

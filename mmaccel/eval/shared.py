@@ -24,8 +24,22 @@ On CUDA every timestamp is taken after ``torch.cuda.synchronize``.
 
 Every timing is the median over ``repeats`` runs after ``warmup`` unrecorded ones; per-run values are in
 ``samples``. ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` are :func:`mmaccel.longctx.kv_cache_bytes` of the
-method's cache after the prefill and at the end, as ``generate_measured`` reports them. ``peak_memory_bytes`` is not
-measured (``peak_memory_method="unavailable"``): the prefill's peak belongs to the group, not to one method.
+method's cache after the prefill and at the end, as ``generate_measured`` reports them.
+
+Memory
+------
+The prefill forward belongs to the group, so each record carries two peaks, bytes, both medians over ``repeats``:
+
+- ``extra["shared_prefill_peak_bytes"]``: the peak memory growth over the one shared prefill forward (the model's
+  activations plus every member's copy, scoring and kept K/V), measured by :class:`~mmaccel.eval.memory.PeakMemory`
+  (``extra["shared_prefill_peak_method"]`` says how); the same for all records of a run. A method run alone peaks
+  at most at this during its prefill.
+- ``peak_memory_bytes``: the peak of the method's *own* phase: the K/V its compression kept (exact tensor bytes,
+  ``kv_cache_bytes_prefill``) plus the peak memory growth measured over its own decode (``extra["decode_peak_bytes"]``,
+  :class:`~mmaccel.eval.memory.PeakMemory`: exact on CUDA, the sampled RSS on the CPU). ``peak_memory_method`` is
+  ``"kv_kept+<meter>"`` (e.g. ``"kv_kept+rss_delta_sampled"``): comparable between members of shared runs, not with
+  a run that measured its own prefill (``generate_measured``). The transient of the compression itself (a layer's
+  scores, freed within that layer) is inside the shared prefill's peak, not in this one.
 """
 from __future__ import annotations
 
@@ -40,10 +54,12 @@ from ..longctx import build_method, kv_cache_bytes
 from ..longctx.shared_prefill import SharedPrefill, shares_prefill
 from ..pipeline import check_temperature, generation_kwargs, model_inputs_for
 from .generation import RunRecord, _jsonable, load_average, median_or_none
+from .memory import PeakMemory
 
 logger = logging.getLogger(__name__)
 
-_TIMED = ("ttft_s", "decode_s", "tokens_per_s", "prefill_s", "shared_prefill_s", "compress_s", "shared_group_s")
+_TIMED = ("ttft_s", "decode_s", "tokens_per_s", "prefill_s", "shared_prefill_s", "compress_s", "shared_group_s",
+          "peak_memory_bytes", "decode_peak_bytes", "shared_prefill_peak_bytes")
 
 
 def _resolve(methods) -> list[tuple[object, str]]:
@@ -81,12 +97,13 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
     mask = torch.ones_like(ids)
     leader = shared.make_cache(model)
     try:
-        synchronize(device)
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, **cache_kwarg(model, leader, generate=True), max_new_tokens=1,
-                             **gen_kwargs)
-        synchronize(device)
-        group_s = time.perf_counter() - t0
+        with PeakMemory(device) as group_mem:
+            synchronize(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, **cache_kwarg(model, leader, generate=True),
+                                 max_new_tokens=1, **gen_kwargs)
+            synchronize(device)
+            group_s = time.perf_counter() - t0
     finally:
         leader.close()
     first = out[:, ids.shape[1]:]
@@ -96,6 +113,7 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
     runs = []
     for i, (method, _) in enumerate(members):
         run = {"shared_prefill_s": shared_s, "compress_s": shared.compress_s[i], "shared_group_s": group_s,
+               "shared_prefill_peak_bytes": group_mem.peak, "shared_prefill_peak_method": group_mem.method,
                "error": None}
         run["ttft_s"] = run["prefill_s"] = shared_s + shared.compress_s[i]
         cache = None
@@ -103,17 +121,22 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
             cache = shared.decode_cache(i, model)
             run["kv_cache_bytes_prefill"] = kv_cache_bytes(cache)
             new_ids = first[0].tolist()
-            decode_s = 0.0
+            decode_s, decode_peak = 0.0, 0  # no decode (one token, or EOS first): no growth
+            with PeakMemory(device) as mem:
+                if not stop:
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    more = model.generate(continued, attention_mask=torch.ones_like(continued),
+                                          **cache_kwarg(model, cache, generate=True),
+                                          max_new_tokens=max_new_tokens - 1, **gen_kwargs)
+                    synchronize(device)
+                    decode_s = time.perf_counter() - t0
+                    new_ids = more[0, ids.shape[1]:].tolist()
             if not stop:
-                synchronize(device)
-                t0 = time.perf_counter()
-                more = model.generate(continued, attention_mask=torch.ones_like(continued),
-                                      **cache_kwarg(model, cache, generate=True), max_new_tokens=max_new_tokens - 1,
-                                      **gen_kwargs)
-                synchronize(device)
-                decode_s = time.perf_counter() - t0
-                new_ids = more[0, ids.shape[1]:].tolist()
+                decode_peak = mem.peak
             n = len(new_ids)
+            run.update(decode_peak_bytes=decode_peak, peak_memory_method=f"kv_kept+{mem.method}",
+                       peak_memory_bytes=None if decode_peak is None else run["kv_cache_bytes_prefill"] + decode_peak)
             run.update(new_ids=new_ids, decode_s=decode_s,
                        tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                        kv_cache_bytes_final=kv_cache_bytes(cache),
@@ -173,9 +196,11 @@ def generate_shared(
     list of RunRecord
         One per method, in the order of ``methods``: ``output_ids`` / ``output_text``, ``ttft_s``, ``prefill_s``,
         ``decode_s``, ``tokens_per_s`` (seconds, tokens per second; see the module docstring),
-        ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` (bytes), the method's ``telemetry``, and in ``extra``
-        ``shared_prefill_s``, ``compress_s``, ``shared_group_s`` (seconds), ``shared_prefill=True`` and
-        ``shared_with`` (the group's labels). A failed shared prefill fails every record; a failed decode only its
+        ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` (bytes), ``peak_memory_bytes`` (the method's own
+        phase: kept K/V plus its decode's measured growth, bytes; see the module docstring), the method's
+        ``telemetry``, and in ``extra`` ``shared_prefill_s``, ``compress_s``, ``shared_group_s`` (seconds),
+        ``shared_prefill_peak_bytes`` and ``decode_peak_bytes`` (bytes), ``shared_prefill=True`` and ``shared_with``
+        (the group's labels). A failed shared prefill fails every record; a failed decode only its
         own.
 
     Raises
@@ -245,8 +270,11 @@ def _fill(record: RunRecord, runs: list[dict], tokenizer) -> None:
     record.samples = [{k: r[k] for k in _TIMED} for r in runs]
     for k in ("ttft_s", "decode_s", "tokens_per_s", "prefill_s"):
         setattr(record, k, median_or_none([r[k] for r in runs]))
-    for k in ("shared_prefill_s", "compress_s", "shared_group_s"):
+    for k in ("shared_prefill_s", "compress_s", "shared_group_s", "shared_prefill_peak_bytes", "decode_peak_bytes"):
         record.extra[k] = median_or_none([r[k] for r in runs])
+    record.extra["shared_prefill_peak_method"] = last["shared_prefill_peak_method"]
+    record.peak_memory_bytes = median_or_none([r["peak_memory_bytes"] for r in runs])
+    record.peak_memory_method = last["peak_memory_method"]
     record.kv_cache_bytes_prefill = last["kv_cache_bytes_prefill"]
     record.kv_cache_bytes_final = last["kv_cache_bytes_final"]
     record.telemetry = _jsonable(last["telemetry"])
