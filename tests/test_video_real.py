@@ -118,3 +118,20 @@ def test_temporal_tome_after_pooling_chains_the_two_plans():
         TemporalToMe(keep_ratio=0.5, pool=0.25)
     with pytest.raises(ValueError, match="pool must be in"):
         TemporalToMe(keep_ratio=0.5, pool=0.0)
+
+
+def test_video_niah_runs_temporal_tome_and_bilevel_under_the_exact_meter(vlm):  # noqa: F811
+    from mmaccel.eval.video_niah import video_niah
+
+    model, processor = vlm
+    methods = ["temporal-tome:keep_ratio=0.5:positions=contiguous",
+               "temporal-tome:keep_ratio=0.5:positions=contiguous+bilevel:chunk=8:dense_chunks=1:sparse_tokens=2"]
+    result = video_niah(model, processor, methods, frames=[4], depths=[0.5], size=56, max_new_tokens=2, warmup=0,
+                        progress=False, memory_meter="allocator")
+    merged, sparse = result.records
+    assert all(r["status"] == "ok" and r["peak_memory_method"] == "cpu_allocator_profiled"
+               and r["peak_memory_bytes"] > 0 for r in result.records)
+    assert merged["visual_tokens_kept"] == sparse["visual_tokens_kept"] == 2 * PER_IMAGE  # 4 frames merged to half
+    assert merged["telemetry"]["vision"]["frames"] == [4]
+    assert sparse["telemetry"]["method"] == "bilevel" and sparse["telemetry"]["closed_chunks"] > 2
+    assert sparse["telemetry"]["kv_read_fraction"] < 1.0  # it read some chunks sparsely: not full attention

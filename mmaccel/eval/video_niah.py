@@ -622,7 +622,8 @@ def video_niah(
         clip, clip_seed, inputs = clips[key]
         config = cell.payload
         rec = run_config(model, processor, inputs, config, answer=clip.answer, max_new_tokens=max_new_tokens,
-                         repeats=repeats, warmup=0 if config.label in warmed else warmup, warmup_inputs=warm_inputs)
+                         repeats=repeats, warmup=0 if config.label in warmed else warmup, warmup_inputs=warm_inputs,
+                         memory_meter=memory_meter)
         warmed.add(config.label)
         rec.extra.update(frames=n_frames, length=n_frames, depth=depth, trial=trial, clip_seed=clip_seed,
                          needle_frame=clip.needle_frame, kind=kind, question=clip.question)

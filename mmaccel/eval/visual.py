@@ -148,9 +148,10 @@ def score(text: str, answer: str) -> bool:
 
 
 def run_config(model, processor, inputs, config: VisualConfig, *, answer: str | None = None, max_new_tokens: int = 8,
-               repeats: int = 1, warmup: int = 1, warmup_inputs=None):
+               repeats: int = 1, warmup: int = 1, warmup_inputs=None, memory_meter: str = "rss"):
     """One measured run of ``config`` on ``inputs``: :func:`~mmaccel.eval.generation.generate_measured` with the
-    config's ``vision=`` and ``kv=``, labelled with the config.
+    config's ``vision=`` and ``kv=``, labelled with the config (``memory_meter``: ``"rss"`` or ``"allocator"``, exact
+    tensor bytes, off CUDA; :class:`~mmaccel.eval.memory.PeakMemory`).
 
     With ``answer``, ``record.extra`` gets ``answer``, ``correct`` (:func:`score`) and ``correct_contains`` (the
     answer appears anywhere, lower case). Returns the :class:`~mmaccel.eval.generation.RunRecord` (``"failed"``
@@ -159,6 +160,7 @@ def run_config(model, processor, inputs, config: VisualConfig, *, answer: str | 
     record = generate_measured(
         model, processor.tokenizer, inputs, vision=config.vision, kv=config.kv, label=config.label,
         max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, warmup_ids=warmup_inputs,
+        memory_meter=memory_meter,
     )
     record.extra["visual_tokens_input"] = image_token_count(model, inputs)
     if answer is not None:
