@@ -72,6 +72,8 @@ KV_SPECS = {
     "expected_attention": ("expected_attention:budget=1000", "expected_attention:budget=12:future=8:sink=2"),
     "kvzip": ("kvzip:budget=1000", "kvzip:budget=12:chunk=16:sink=2"),
     "keydiff": ("keydiff:budget=1000", "keydiff:budget=12"),
+    "minference": ("minference:vertical=1:block=8:last_q=8:min_length=8",
+                   "minference:vertical=0.05:slash=0.05:block=8:last_q=8:min_length=8:method=snapkv,budget=12,window=4"),
 }
 KV_ALIASES = {"streamingllm": "streaming", "duo": "retrieval_heads"}  # same classes, one column each
 DRAFTER_NAMES = ["draft", "prompt_lookup", "jacobi", "layer_skip", "tree", "dytree", "eagle", "eagle_tree", "cascade"]

@@ -115,29 +115,27 @@ def _count(fraction: float, length: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ online estimation
-def last_query_probs(query: torch.Tensor, key: torch.Tensor, last_q: int, scaling: float) -> torch.Tensor:
-    """Causal softmax of the last ``last_q`` queries over every key, for one sequence.
+def last_query_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal softmax of the last queries of a sequence over all its keys.
 
     Parameters
     ----------
     query : torch.Tensor
-        [Hq, L, D] post-RoPE queries at positions ``0 .. L - 1``.
+        [Hq, n, D] post-RoPE queries at positions ``L - n .. L - 1`` (``n <= L``).
     key : torch.Tensor
         [Hkv, L, D] keys; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
-    last_q : int
-        Queries used (clamped to ``L``).
     scaling : float
         Softmax scale.
 
     Returns
     -------
     torch.Tensor
-        float32 [Hq, n, L], ``n = min(last_q, L)``; row ``i`` is the query at position ``L - n + i``; rows sum to 1.
+        float32 [Hq, n, L]; row ``i`` is the query at position ``L - n + i``; rows sum to 1.
     """
-    Hq, L, _ = query.shape
-    n = min(last_q, L)
-    k = key.float().repeat_interleave(Hq // key.shape[0], dim=0)
-    logits = query[:, L - n:].float() @ k.transpose(-1, -2) * scaling
+    Hq, n, D = query.shape
+    Hkv, L = key.shape[0], key.shape[1]
+    grouped = query.float().reshape(Hkv, Hq // Hkv, n, D)
+    logits = (grouped @ key.float().transpose(-1, -2)[:, None]).reshape(Hq, n, L) * scaling
     pos = torch.arange(L, device=query.device)
     logits.masked_fill_(pos[None, :] > pos[L - n:, None], float("-inf"))
     return logits.softmax(-1)
@@ -181,6 +179,39 @@ def top_with_forced(scores: torch.Tensor, count: int, forced: int) -> torch.Tens
     rest[:, :forced] = float("-inf")
     top = rest.topk(min(count, L - forced), dim=-1).indices
     return torch.cat([torch.arange(forced, device=scores.device).expand(H, forced), top], dim=1)
+
+
+def vertical_slash_table(vertical: torch.Tensor, slash: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    """The blocks that vertical lines (key columns) and slash lines (offsets ``query - key``) cross, vectorized.
+
+    The same table as :meth:`~mmaccel.kernels.BlockSparse.from_vertical_slash` whenever column 0 is among the
+    vertical lines (as :func:`estimate_patterns` forces: the sinks), without its Python loop over offsets: an offset
+    ``o`` crosses the block diagonals ``floor(o / block)`` and ``ceil(o / block)``.
+
+    Parameters
+    ----------
+    vertical : torch.Tensor
+        int64 [n_v] key positions.
+    slash : torch.Tensor
+        int64 [n_s] offsets >= 0.
+    length : int
+        Sequence length.
+    block : int
+        Block size.
+
+    Returns
+    -------
+    torch.Tensor
+        bool [n, n], ``n = ceil(length / block)``: every row holds the vertical lines' block columns (also above the
+        diagonal, as ``from_vertical_slash``; causality is applied by the kernels) and the slashes' causal blocks.
+    """
+    n = -(-length // block)
+    cols = torch.arange(n, device=vertical.device)
+    diag = cols[:, None] - cols[None, :]
+    slash = slash.long().clamp(0, length - 1)
+    diagonals = torch.cat([slash // block, -(-slash // block)]).unique()
+    return torch.isin(cols, (vertical.long().clamp(0, length - 1) // block).unique())[None, :] | (
+        torch.isin(diag, diagonals) & (diag >= 0))
 
 
 def block_sparse_table(query: torch.Tensor, key: torch.Tensor, block: int, fraction: float,
@@ -265,15 +296,17 @@ def estimate_patterns(query: torch.Tensor, key: torch.Tensor, choices: Sequence[
     if vs:
         group = Hq // key.shape[0]
         idx = torch.tensor(vs, device=query.device)
-        probs = last_query_probs(query.index_select(0, idx), key.index_select(0, idx // group), last_q, scaling)
+        last = query[:, L - min(last_q, L):]
+        if len(vs) == Hq:
+            probs = last_query_probs(last, key, scaling)
+        else:  # one KV head per selected query head
+            probs = last_query_probs(last.index_select(0, idx), key.index_select(0, idx // group), scaling)
         vertical, slash = vertical_slash_scores(probs)
         for row, h in enumerate(vs):
             c = choices[h]
             cols = top_with_forced(vertical[row:row + 1], _count(c.vertical, L), SINK_COLUMNS)[0]
             offs = top_with_forced(slash[row:row + 1], _count(c.slash, L), block)[0]
-            # offsets crossing the same pair of block diagonals give the same blocks: one representative each
-            offs = torch.where(offs % block == 0, offs, offs // block * block + 1).unique()
-            patterns[h] = BlockSparse.from_vertical_slash(cols.cpu(), offs.cpu(), L, block)
+            patterns[h] = BlockSparse(vertical_slash_table(cols, offs, L, block).cpu(), block)
     for h in bs:
         group = Hq // key.shape[0]
         table = block_sparse_table(query[h:h + 1], key[h // group:h // group + 1], block, choices[h].blocks, scaling)
