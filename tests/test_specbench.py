@@ -261,8 +261,9 @@ def test_code_prompt_sets_through_spec_bench(micro):
 
 def test_two_model_pair_on_code_prompts_shares_one_draft(micro, capsys, tmp_path):
     """micro-lm + micro-draft on both code sets: one draft object for the engine's draft model, the cascade's and
-    transformers' assistant, each peer's schedule put back after its call; transformers' assisted decoding and the
-    prompt-lookup -> draft cascade token-identical to greedy; too many code prompts refused before loading."""
+    transformers' assistant, each peer's schedule put back after its call; the prompt-lookup -> draft cascade
+    token-identical to greedy on both sets (transformers' assistant: test_speculative_records_...); too many code
+    prompts refused before loading."""
     from mmaccel.pipeline import resolve_methods
     from mmaccel.speculative import share_draft_models
 
@@ -285,11 +286,11 @@ def test_two_model_pair_on_code_prompts_shares_one_draft(micro, capsys, tmp_path
         assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule) == (3, "heuristic")
     assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule) == before
 
-    res = run_spec_bench(model, tok, specs[2:], prompts=["code-completion", "code-edit"], n_prompts=1,
+    res = run_spec_bench(model, tok, specs[3:], prompts=["code-completion", "code-edit"], n_prompts=1,
                          max_new_tokens=6, repeats=1, warmup=0, draft="micro-draft", out_dir=tmp_path)
     for name in ("code-completion", "code-edit"):
         rows = res.summary["sets"][name]
-        assert list(rows) == ["full", *specs[2:]]
+        assert list(rows) == ["full", *specs[3:]]
         assert all(row["identical"] == row["compared"] == 1 for label, row in rows.items() if label != "full")
     assert {r.extra["task"] for r in res.records if r.extra["prompt_set"] == "code-completion"} == {"complete"}
     cascade = [r for r in res.records if r.method.startswith("cascade")]

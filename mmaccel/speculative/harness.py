@@ -98,18 +98,21 @@ class SpeculativeMethod:
         return self.drafter.draft_modules()
 
     def prepare(self, model, tokenizer) -> None:
-        """Load a named draft model once and check it against the target (vocabulary, BOS/EOS, tokenizer).
+        """Load a named draft model (a cascade's too) once and check it against the target (vocabulary, BOS/EOS,
+        tokenizer).
 
         Raises
         ------
         ValueError
             See :func:`~mmaccel.speculative.check_same_vocabulary`.
         """
-        if isinstance(self.drafter, DraftModel):
-            if tokenizer is not None and self.drafter.target_tokenizer is None:
-                self.drafter.target_tokenizer = tokenizer
-            self.drafter._load(model)
-            check_same_vocabulary(self.drafter.model, model, self.drafter.tokenizer, self.drafter.target_tokenizer)
+        for drafter in draft_holders(self.drafter):  # a cascade's nested draft model too
+            if not isinstance(drafter, DraftModel):
+                continue
+            if tokenizer is not None and drafter.target_tokenizer is None:
+                drafter.target_tokenizer = tokenizer
+            drafter._load(model)
+            check_same_vocabulary(drafter.model, model, drafter.tokenizer, drafter.target_tokenizer)
 
     def timed_generate(self, model, input_ids: torch.Tensor, *, max_new_tokens: int, gen_kwargs: dict,
                        model_inputs: dict | None = None, cache=None) -> dict:
