@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mmaccel.kernels import BlockSparse, HeadPatterns, sparse_prefill_attention
 from mmaccel.kernels.hf import cache_kwarg
 from mmaccel.kernels.sparse_prefill import _masked_reference, dense_plan_fraction
-from mmaccel.longctx import METHODS, build_method
+from mmaccel.longctx import build_method
 from mmaccel.longctx.minference import (
     HeadChoice,
     MInference,
@@ -188,3 +188,10 @@ def test_search_picks_within_budget_saves_and_runs(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="another model"):
         method.make_cache(other)
+
+
+def test_a_wrapped_method_with_its_own_attention_is_refused_at_make_cache():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="computes its own attention"):
+        build_method("minference:method=kvquant,bits=4").make_cache(model)
+    assert all(m.config._attn_implementation == "sdpa" for m in (l.self_attn for l in model.model.layers))

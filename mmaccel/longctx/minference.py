@@ -24,24 +24,21 @@ pre-hook marks the forwards that run with this cache. ``cache.close()`` (or ``wi
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 
 from ..kernels import BlockSparse, HeadPatterns, Streaming, sparse_prefill_attention
-from ..kernels.hf import attention_modules, cache_kwarg, check_attention_kwargs, hooked_cache
-from ..kernels.hf import refuse_attention_variants
+from ..kernels.hf import attention_modules, cache_kwarg, check_attention_kwargs, hooked_cache, refuse_attention_variants
 from ..kernels.sparse_prefill import dense_plan_fraction
 from ..specs import read_shipped_json
 from .base import KVMethod, KVMethodCache, LayerStep, _check_int, has_padding, no_method_layers_error
 from .chunked import resolve_inner
-from .head_pattern import PATTERN_DIR, config_fingerprint
+from .head_pattern import PATTERN_DIR, HeadPattern, config_fingerprint
 from .owned import OwnedAttentionCache, _original_attention
 
 logger = logging.getLogger(__name__)
@@ -389,12 +386,7 @@ class MInferencePattern:
                 "recall": rounded(self.recall), "density": rounded(self.density),
                 "kind_counts": self.kind_counts(), "found_by": self.found_by, "validation": self.validation}
 
-    def save(self, path) -> Path:
-        """Write the pattern as JSON to ``path`` (parent folders are created); return the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+    save = HeadPattern.save  # writes ``to_dict()`` as JSON to a path (parent folders created); returns the path
 
     @classmethod
     def load(cls, name_or_path) -> MInferencePattern:
@@ -716,7 +708,9 @@ class MInference(KVMethod):
         cache = self.method.make_cache(model)
         if isinstance(cache, OwnedAttentionCache):
             cache.close()
-            raise ValueError(f"{self.name}: method={self.method.name} computes its own attention; see the class")
+            raise ValueError(  # noqa: TRY004 - a bad spec value, reported like every other one
+                f"{self.name}: method={self.method.name} computes its own attention, which would bypass the sparse "
+                "prefill; wrap full, snapkv, pyramidkv, chunkkv, streaming, h2o, tova or knorm")
         if not isinstance(cache, KVMethodCache):  # full: a plain DynamicCache that cannot hold hooks
             cache = KVMethodCache(model, self)
         self._state = _PrefillState(self.choices, block=self.block, last_q=self.last_q, min_length=self.min_length)
