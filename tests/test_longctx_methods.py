@@ -452,3 +452,32 @@ def test_h2o_decode_probabilities_equal_the_blocked_column_sums_of_one_query():
     expected = mean_over_query_groups(accumulated_attention(q, k, scaling=0.3), 3)
     torch.testing.assert_close(decode_attention_probs(q, k, 0.3), expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(decode_attention_probs(q, k).sum(-1), torch.ones(2, 3))
+
+
+def test_h2o_reuses_the_modules_query_projection_with_the_same_result(sdpa):
+    """With ``captures_queries`` the cache keeps each module's own q_proj output: a decode step runs q_proj once per
+    layer (not twice), and the logits and accumulated attention equal those of the recomputing path."""
+
+    class Recomputing(H2O):
+        captures_queries = False
+
+    ids = random_prompt(30, seed=5)
+    runs = {}
+    for method in (H2O(budget=12, recent=2), Recomputing(budget=12, recent=2)):
+        calls = []
+        hooks = [layer.self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1)) for layer in sdpa.model.layers]
+        try:
+            with method.make_cache(sdpa) as cache:
+                sdpa(ids[:, :24], past_key_values=cache, use_cache=True)
+                calls.clear()
+                logits = [sdpa(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(24, 30)]
+                runs[type(method).__name__] = (len(calls), torch.cat(logits),
+                                               [layer.slot_state["attention"].clone() for layer in cache.layers])
+        finally:
+            for hook in hooks:
+                hook.remove()
+    (calls, logits, state), (calls_re, logits_re, state_re) = runs["H2O"], runs["Recomputing"]
+    assert calls == 6 * len(sdpa.model.layers) and calls_re == 2 * calls
+    torch.testing.assert_close(logits, logits_re, rtol=0, atol=0)
+    for a, b in zip(state, state_re):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -302,7 +302,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def project_heads(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int,
-                  which: str = "q") -> torch.Tensor:
+                  which: str = "q", projected: torch.Tensor | None = None) -> torch.Tensor:
     """Recompute the post-RoPE queries (``which="q"``) or keys (``"k"``) of the last ``window`` tokens of an attention
     module's input, as the module computes them, reading the variant from the module (never from a model name):
 
@@ -325,6 +325,10 @@ def project_heads(module: torch.nn.Module, hidden_states: torch.Tensor, position
     window : int
         Number of trailing tokens, ``1 <= window <= Lq``.
     which : {"q", "k"}
+    projected : torch.Tensor, optional
+        [B, Lq, out] the output of this forward's ``{which}_proj`` (or fused ``qkv_proj``) when it was captured
+        (:class:`KVMethodCache` captures query projections for methods with ``captures_queries``): used instead of
+        running the projection again.
 
     Returns
     -------
@@ -350,11 +354,11 @@ def project_heads(module: torch.nn.Module, hidden_states: torch.Tensor, position
     h = hidden_states[:, -window:]
     B = h.shape[0]
     if proj is not None:
-        x = proj(h)
+        x = proj(h) if projected is None else projected[:, -window:]
     else:
         config = module.config
         nq, nk = config.num_attention_heads * D, config.num_key_value_heads * D
-        x = fused(h)
+        x = fused(h) if projected is None else projected[:, -window:]
         x = x[..., :nq] if which == "q" else x[..., nq:nq + nk]
     norm = getattr(module, f"{which}_norm", None)
     whole = norm is not None and getattr(getattr(norm, "weight", None), "shape", (D,))[-1] == x.shape[-1] != D
@@ -377,10 +381,11 @@ def project_heads(module: torch.nn.Module, hidden_states: torch.Tensor, position
     return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
-def window_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int):
+def window_queries(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int,
+                   projected: torch.Tensor | None = None):
     """[B, Hq, window, D] post-RoPE queries of the last ``window`` tokens: :func:`project_heads` with ``which="q"``
-    (see it for the attention variants handled and the errors)."""
-    return project_heads(module, hidden_states, position_embeddings, window, "q")
+    (see it for the attention variants handled, ``projected`` and the errors)."""
+    return project_heads(module, hidden_states, position_embeddings, window, "q", projected)
 
 
 def check_recomputed_keys(module: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
@@ -653,6 +658,9 @@ class LayerStep:
         The mask the module received.
     phase : {"prefill", "decode"}
         ``"prefill"`` for a multi-token forward (or the first forward), ``"decode"`` for a one-token step.
+    projected_queries : torch.Tensor or None
+        [B, q, out] the module's own query (or fused qkv) projection of this forward, captured by the cache for
+        methods with ``captures_queries``; :meth:`queries` then applies only the norm and RoPE.
     """
 
     cache: "KVMethodCache"
@@ -663,6 +671,7 @@ class LayerStep:
     position_embeddings: tuple | None
     attention_mask: object
     phase: str
+    projected_queries: torch.Tensor | None = None
 
     def __post_init__(self):
         self._queries: dict[int, torch.Tensor] = {}
@@ -704,7 +713,8 @@ class LayerStep:
                                   self.layer.keys[..., -w:, :], getattr(self.cache.method, "name", "kv-method"))
             checked.add(self.layer_idx)
         if w not in self._queries:
-            self._queries[w] = window_queries(self.module, self.hidden_states, self.position_embeddings, w)
+            self._queries[w] = window_queries(self.module, self.hidden_states, self.position_embeddings, w,
+                                              self.projected_queries)
         return self._queries[w]
 
 
@@ -754,6 +764,8 @@ class KVMethodCache(DynamicCache):
         self.speculative = speculative
         self._prefilled: set[int] = set()
         self.checked_projections: set[int] = set()  # layers whose query recomputation was checked
+        self._capturing: int | None = None  # the layer whose query projection the projection hook keeps now
+        self._captured: dict[int, torch.Tensor] = {}
         self.warnings: list[str] = []
         self._hooks: list = []
         if method.uses_hooks and attach:
@@ -788,8 +800,22 @@ class KVMethodCache(DynamicCache):
                 return None
             return args, {**kwargs, "attention_mask": fitted}
 
+        def start_capture(module, args, kwargs):
+            cache = ref()
+            if cache is not None:
+                cache._capturing = module.layer_idx if hooked_cache(kwargs) is cache else None
+
+        def keep_projection(layer_idx):
+            def hook(proj, args, output):
+                cache = ref()
+                if cache is not None and cache._capturing == layer_idx:
+                    cache._captured[layer_idx] = output
+            return hook
+
         def after_attention(module, args, kwargs, output):
             cache = ref()
+            if cache is not None:
+                cache._capturing = None
             if cache is None or hooked_cache(kwargs) is not cache:
                 return
             if output is None:  # the attention forward raised
@@ -807,14 +833,20 @@ class KVMethodCache(DynamicCache):
                 cache.close()  # the forward raised: leave nothing attached to the model
 
         fits = _lengths_vary_by_layer(self.method)
+        captures = getattr(self.method, "captures_queries", False)
         for module in modules.values():
             if fits:
                 self._hooks.append(module.register_forward_pre_hook(fit_mask, with_kwargs=True))
+            proj = getattr(module, "q_proj", None) or getattr(module, "qkv_proj", None)
+            if captures and isinstance(proj, torch.nn.Module):  # reuse the module's own query projection
+                self._hooks.append(module.register_forward_pre_hook(start_capture, with_kwargs=True))
+                self._hooks.append(proj.register_forward_hook(keep_projection(module.layer_idx)))
             self._hooks.append(module.register_forward_hook(after_attention, with_kwargs=True, always_call=True))
         self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
 
     def _step(self, module, args, kwargs) -> None:
         layer = self.layers[module.layer_idx]
+        projected = self._captured.pop(module.layer_idx, None)
         if self.speculative:
             if module.layer_idx in self._prefilled:
                 return  # a verification forward: appended only, so the engine can crop its rejected drafts
@@ -828,7 +860,10 @@ class KVMethodCache(DynamicCache):
                 f"{self.method.name} cannot compress a padded batch (left padding would be scored, and the padding "
                 "mask no longer lines up once tokens are evicted); run prompts one at a time or with equal lengths"
             )
-        step = LayerStep(self, layer, module.layer_idx, module, hidden, kwargs.get("position_embeddings"), mask, phase)
+        if projected is not None and tuple(projected.shape[:2]) != tuple(hidden.shape[:2]):
+            projected = None  # not this forward's projection of these tokens: recompute
+        step = LayerStep(self, layer, module.layer_idx, module, hidden, kwargs.get("position_embeddings"), mask, phase,
+                         projected)
         with torch.no_grad():  # scores and per-slot state never carry an autograd graph
             self.method.on_step(step)
 
@@ -1080,6 +1115,10 @@ class KVScorer(KVMethod):
 
     default_budget: ClassVar[int] = 256
     evicts_on_decode: ClassVar[bool] = False
+    #: the cache keeps each attention module's own query projection of the current forward (a hook on ``q_proj`` /
+    #: ``qkv_proj``), so :meth:`LayerStep.queries` does not run the projection again (methods that score with the
+    #: queries of every decode step)
+    captures_queries: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.budget is not None and self.ratio is not None:

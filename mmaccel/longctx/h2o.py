@@ -106,6 +106,7 @@ class H2O(KVScorer):
     method_name = "h2o"
     prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     evicts_on_decode = True
+    captures_queries = True  # its decode-step score reads the queries: reuse the module's own projection
 
     def __post_init__(self):
         super().__post_init__()

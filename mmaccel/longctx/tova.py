@@ -34,6 +34,7 @@ class TOVA(KVScorer):
     method_name = "tova"
     prefill_is_full = True  # full-attention prefill, then it only chooses what to keep (shared_prefill)
     evicts_on_decode = True
+    captures_queries = True  # its decode-step score reads the queries: reuse the module's own projection
 
     def score(self, step: LayerStep) -> torch.Tensor:
         column = attention_column_scores(step.queries(1), step.keys, causal=True, scaling=step.scaling)  # [B, Hq, S]
