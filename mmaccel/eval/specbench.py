@@ -152,6 +152,17 @@ def build_prompt_set(tokenizer, name: str, *, n: int = 8, chat_template: bool = 
 def prompt_set_names(prompts: str | Sequence[str], n_prompts: int | None = None) -> list[str]:
     """The prompt sets a ``prompts`` argument names, in order, without repeats (``"both"``: free and copy).
 
+    Parameters
+    ----------
+    prompts : str or sequence of str
+        Set names of :data:`PROMPT_SETS`, or ``"both"``.
+    n_prompts : int, optional
+        Prompts per set, checked against the code sets' size.
+
+    Returns
+    -------
+    list of str
+
     Raises
     ------
     ValueError
@@ -319,8 +330,9 @@ def run_spec_bench(
     ------
     ValueError
         Before any run: an unknown method or argument, a draft length ``<= 0``, ``temperature < 0``, a draft model
-        with another vocabulary or tokenizer, an unknown prompt set, ``n_prompts``/``max_new_tokens``/``repeats``
-        ``< 1`` or ``warmup < 0``; with ``packed_linear``, a model that is not float32 on the CPU.
+        with another vocabulary or tokenizer, an unknown prompt set, more than 12 code prompts,
+        ``n_prompts``/``max_new_tokens``/``repeats`` ``< 1`` or ``warmup < 0``; with ``packed_linear``, a model
+        that is not float32 on the CPU.
     """
     check_temperature(temperature)
     if max_new_tokens < 1 or repeats < 1 or warmup < 0 or n_prompts < 1:
