@@ -1,8 +1,9 @@
 """benchmarks/vs_kvpress.py --task ruler, the parts that need no kvpress environment: the RULER cases are the ids
 `mmaccel ruler` runs, the kept counts per query mode, RULER scoring of both sides, the equal-bytes verdict."""
-import importlib.util
 import math
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,23 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 HAYSTACK = ROOT / "README.md"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("vs_kvpress_ruler", ROOT / "benchmarks" / "vs_kvpress.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-vk = _load_script()
+# the script is not a package module: its functions, run by path (no __main__)
+vk = SimpleNamespace(**runpy.run_path(str(ROOT / "benchmarks" / "vs_kvpress.py")))
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from mmaccel.models import load
 
-    from mmaccel.models import zoo_path
-
-    return AutoTokenizer.from_pretrained(zoo_path("micro-lm"))
+    return load("micro-lm", device="cpu")[1]
 
 
 @pytest.fixture(scope="module")
