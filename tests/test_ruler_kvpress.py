@@ -23,9 +23,11 @@ vk = SimpleNamespace(**runpy.run_path(str(ROOT / "benchmarks" / "vs_kvpress.py")
 
 @pytest.fixture(scope="module")
 def tok():
-    from mmaccel.models import load
+    from transformers import AutoTokenizer
 
-    return load("micro-lm", device="cpu")[1]
+    from mmaccel.models import zoo_path
+
+    return AutoTokenizer.from_pretrained(zoo_path("micro-lm"))  # the tokenizer alone: no weights to load
 
 
 @pytest.fixture(scope="module")
