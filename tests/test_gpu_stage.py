@@ -30,7 +30,21 @@ def test_plan_fits_one_call_by_its_own_estimate(stage):
         stage.check_plan([stage.Step("x", 10, 5, ["true"])])
 
 
-@pytest.mark.slow  # ~190 s on 2 cores (eight fresh processes): over what CI's 25 minutes leave; run with -m slow
+def test_the_video_steps_run_the_streamed_path_and_the_trainer_on_cuda(stage):
+    from mmaccel.eval.video_niah import check_streamed
+    from mmaccel.eval.visual import parse_visual_config
+
+    steps = {s.name: s for s in stage.plan()}
+    video, train = steps["video_niah_shape"].argv, steps["train_smol_llava_shape"].argv
+    assert "--stream" in video and video[video.index("--device") + 1] == "cuda" and "bfloat16" in video
+    assert video[video.index("--frames") + 1:video.index("--depths")] == ["1024", "4096"]
+    config = parse_visual_config(stage.VIDEO_METHOD)
+    assert check_streamed(config.vision, config.kv)[1].name == "chunked"  # a configuration the streamed path takes
+    assert train[train.index("--device") + 1] == "cuda" and "mmaccel.zoo.train.smol_llava" in train
+    assert all("cpu" in steps[n].rehearse for n in ("video_niah_shape", "train_smol_llava_shape"))
+
+
+@pytest.mark.slow  # ~250 s on 2 cores (nine fresh processes): over what CI's 25 minutes leave; run with -m slow
 def test_rehearsal_runs_every_step_on_the_cpu(stage, tmp_path):
     out = tmp_path / "stage"
     records = stage.run_stage(out, rehearse=True)
@@ -43,5 +57,8 @@ def test_rehearsal_runs_every_step_on_the_cpu(stage, tmp_path):
     niah = [json.loads(x) for x in (out / "e2e_smollm2_shape" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in niah} >= {"full", "snapkv:ratio=0.25"} and all(r["device"] == "cpu" for r in niah)
     assert json.loads((out / "kernel_decode" / "k.json").read_text())["bandwidth"]["gbps"] > 0
+    video = [json.loads(x) for x in (out / "video_niah_shape" / "results.jsonl").read_text().splitlines()]
+    assert video and all(r["status"] == "ok" and r["telemetry"]["streamed"] for r in video)
+    assert (out / "train_smol_llava_shape" / "train_log.json").exists()
     stage.fold(out)
     assert (out / "e2e_smollm2_shape.tgz").exists() and not (out / "shapes.tgz").exists()

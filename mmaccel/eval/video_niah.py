@@ -438,7 +438,8 @@ def run_streamed(model, processor, clip, config: VisualConfig, *, batch: int = 1
     ttft = total - run.decode_s
     record.__dict__.update(
         output_text=text, output_ids=run.output_ids, prompt_tokens=run.prompt_tokens, new_tokens=len(run.output_ids),
-        ttft_s=ttft, decode_s=run.decode_s, vision_encoder_s=run.vision_encoder_s, prefill_s=ttft - run.vision_encoder_s,
+        ttft_s=ttft, decode_s=run.decode_s, vision_encoder_s=run.vision_encoder_s,
+        prefill_s=ttft - run.vision_encoder_s,
         visual_tokens=run.visual_tokens, visual_tokens_kept=run.visual_tokens_kept, peak_memory_bytes=mem.peak,
         peak_memory_method=mem.method, kv_cache_bytes_prefill=run.kv_cache_bytes_prefill,
         kv_cache_bytes_final=run.kv_cache_bytes_final, telemetry={**run.telemetry, "streamed": True,
