@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mmaccel.kernels import BlockSparse, HeadPatterns, sparse_prefill_attention
 from mmaccel.kernels.hf import cache_kwarg
 from mmaccel.kernels.sparse_prefill import _masked_reference, dense_plan_fraction
-from mmaccel.longctx import build_method
+from mmaccel.longctx import METHODS, build_method
 from mmaccel.longctx.minference import (
     HeadChoice,
     MInference,
@@ -195,3 +195,11 @@ def test_a_wrapped_method_with_its_own_attention_is_refused_at_make_cache():
     with pytest.raises(ValueError, match="computes its own attention"):
         build_method("minference:method=kvquant,bits=4").make_cache(model)
     assert all(m.config._attn_implementation == "sdpa" for m in (l.self_attn for l in model.model.layers))
+
+
+def test_registered_and_shipped_pattern_fits_smollm2():
+    assert METHODS["minference"] is MInference
+    pattern = MInferencePattern.load("minference-smollm2-135m")
+    assert pattern.fingerprint["num_hidden_layers"] == len(pattern.heads) == 30
+    assert all(len(row) == 9 for row in pattern.heads)
+    assert pattern.validation["recall"] > 0.5 and pattern.found_by["haystack"] != pattern.validation["haystack"]
