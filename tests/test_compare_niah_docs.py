@@ -46,7 +46,17 @@ def shared_records():
     model.generation_config.eos_token_id = None  # decode every step (a random model may pick EOS first)
     return generate_shared(model, None, random_prompt(120), methods=[("full", "full"), (Ballast(), "ballast"),
                                                                      ("snapkv:budget=32:window=8", "snapkv")],
-                           max_new_tokens=4, warmup=0, raise_errors=True)
+                           max_new_tokens=4, warmup=0, repeats=2, raise_errors=True)  # the 2nd repeat meters
+
+
+def test_one_repeat_is_timed_unmetered_and_claims_no_peak():
+    """The memory meter slows a CPU decode, so a single timed run is not metered: no peak is claimed."""
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16)
+    model.generation_config.eos_token_id = None
+    records = generate_shared(model, None, random_prompt(40), methods=[("full", "full")], max_new_tokens=3, warmup=0,
+                              raise_errors=True)
+    assert records[0].peak_memory_bytes is None and records[0].peak_memory_method == "unavailable"
+    assert records[0].decode_s is not None and records[0].samples[0]["metered"] is False
 
 
 def test_each_member_s_own_phase_is_measured(shared_records):
@@ -54,7 +64,8 @@ def test_each_member_s_own_phase_is_measured(shared_records):
     for r in shared_records:
         assert r.ok and r.peak_memory_method in ("kv_kept+rss_delta_sampled", "kv_kept+cuda_max_memory_allocated")
         assert r.peak_memory_bytes == r.kv_cache_bytes_prefill + r.extra["decode_peak_bytes"]
-        assert r.samples[0]["peak_memory_bytes"] == r.peak_memory_bytes
+        assert r.samples[-1]["metered"] and r.samples[-1]["peak_memory_bytes"] == r.peak_memory_bytes
+        assert not r.samples[0]["metered"] and r.samples[0]["peak_memory_bytes"] is None
     # the member that allocates during its own decode is charged with it, the others are not
     assert ballast.extra["decode_peak_bytes"] >= 0.9 * BALLAST
     assert full.extra["decode_peak_bytes"] < BALLAST / 4 and snap.extra["decode_peak_bytes"] < BALLAST / 4

@@ -134,17 +134,16 @@ def test_timings_say_what_they_are(setup):
         assert r.extra["shared_group_s"] >= r.ttft_s
         assert r.decode_s > 0 and r.tokens_per_s == pytest.approx((NEW - 1) / r.decode_s)
         assert r.prompt_tokens == ids.shape[1] and len(r.samples) == 1
-        # memory: the method's own phase (its kept K/V + its decode's measured growth) and the group's prefill peak
-        assert r.peak_memory_method == "kv_kept+rss_delta_sampled"
-        assert r.peak_memory_bytes == r.kv_cache_bytes_prefill + r.extra["decode_peak_bytes"]
-        assert r.extra["shared_prefill_peak_method"] == "rss_delta_sampled"
-    assert len({r.extra["shared_prefill_peak_bytes"] for r in shared}) == 1
+        # memory: one repeat is timed, so nothing is metered (the meter slows a CPU decode; with 2+ repeats the
+        # last one meters: tests/test_compare_niah_docs.py)
+        assert r.peak_memory_method == "unavailable" and r.peak_memory_bytes is None
+        assert r.extra["shared_prefill_peak_bytes"] is None and not r.samples[0]["metered"]
 
 
 def test_one_new_token_needs_no_decode(micro_lm):
     model, tokenizer, ids = micro_lm
     recs = generate_shared(model, tokenizer, ids, methods=[("snapkv:budget=48:window=8", None)], max_new_tokens=1,
-                           warmup=0, raise_errors=True)
+                           warmup=0, repeats=2, raise_errors=True)  # the 2nd repeat meters
     own = generate_measured(model, tokenizer, ids, method="snapkv:budget=48:window=8", max_new_tokens=1, warmup=0)
     assert recs[0].output_ids == own.output_ids and recs[0].new_tokens == 1
     assert recs[0].decode_s == 0.0 and recs[0].tokens_per_s is None

@@ -28,7 +28,11 @@ method's cache after the prefill and at the end, as ``generate_measured`` report
 
 Memory
 ------
-The prefill forward belongs to the group, so each record carries two peaks, bytes, both medians over ``repeats``:
+Memory is measured in a run of its own: the meter's sampling thread and heap trim slow a CPU decode (measured:
+full's decode from 30% to 22% of the roofline, StreamingLLM's ratio to full from 1.38 to 1.61), so with
+``repeats >= 2`` the last repeat runs under the meter and its timings are not used (the others are timed unmetered);
+with one repeat nothing is metered and the peaks are ``None``. The prefill forward belongs to the group, so a
+metered run gives each record two peaks, bytes:
 
 - ``extra["shared_prefill_peak_bytes"]``: the peak memory growth over the one shared prefill forward (the model's
   activations plus every member's copy, scoring and kept K/V), measured by :class:`~mmaccel.eval.memory.PeakMemory`
@@ -42,6 +46,8 @@ The prefill forward belongs to the group, so each record carries two peaks, byte
   scores, freed within that layer) is inside the shared prefill's peak, not in this one.
 """
 from __future__ import annotations
+
+import contextlib
 
 import logging
 import time
@@ -89,15 +95,17 @@ def _eos_ids(gen_kwargs: dict) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict) -> list[dict]:
+def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_kwargs: dict,
+                    meter: bool = False) -> list[dict]:
     """One shared prefill of ``ids`` [1, L] and each member's decode; a dict per member (``error`` set if its decode
-    raised). Raises what the shared prefill raises."""
+    raised). With ``meter`` the prefill and every decode run under :class:`PeakMemory` (whose sampling thread and
+    heap trim slow a CPU decode: such a run's timings are not used). Raises what the shared prefill raises."""
     device = ids.device
     shared = SharedPrefill([m for m, _ in members])
     mask = torch.ones_like(ids)
     leader = shared.make_cache(model)
     try:
-        with PeakMemory(device) as group_mem:
+        with PeakMemory(device) if meter else contextlib.nullcontext() as group_mem:
             synchronize(device)
             t0 = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, **cache_kwarg(model, leader, generate=True),
@@ -113,7 +121,8 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
     runs = []
     for i, (method, _) in enumerate(members):
         run = {"shared_prefill_s": shared_s, "compress_s": shared.compress_s[i], "shared_group_s": group_s,
-               "shared_prefill_peak_bytes": group_mem.peak, "shared_prefill_peak_method": group_mem.method,
+               "shared_prefill_peak_bytes": group_mem.peak if meter else None,
+               "shared_prefill_peak_method": group_mem.method if meter else "unavailable", "metered": meter,
                "error": None}
         run["ttft_s"] = run["prefill_s"] = shared_s + shared.compress_s[i]
         cache = None
@@ -122,7 +131,7 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
             run["kv_cache_bytes_prefill"] = kv_cache_bytes(cache)
             new_ids = first[0].tolist()
             decode_s, decode_peak = 0.0, 0  # no decode (one token, or EOS first): no growth
-            with PeakMemory(device) as mem:
+            with PeakMemory(device) if meter else contextlib.nullcontext() as mem:
                 if not stop:
                     synchronize(device)
                     t0 = time.perf_counter()
@@ -132,10 +141,13 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
                     synchronize(device)
                     decode_s = time.perf_counter() - t0
                     new_ids = more[0, ids.shape[1]:].tolist()
-            if not stop:
+            if not meter:
+                decode_peak = None
+            elif not stop:
                 decode_peak = mem.peak
             n = len(new_ids)
-            run.update(decode_peak_bytes=decode_peak, peak_memory_method=f"kv_kept+{mem.method}",
+            run.update(decode_peak_bytes=decode_peak,
+                       peak_memory_method=f"kv_kept+{mem.method}" if meter else "unavailable",
                        peak_memory_bytes=None if decode_peak is None else run["kv_cache_bytes_prefill"] + decode_peak)
             run.update(new_ids=new_ids, decode_s=decode_s,
                        tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
@@ -236,7 +248,10 @@ def generate_shared(
                 for record in records:
                     record.load_avg_1m = load_average()
             try:
-                runs = _one_shared_run(model, members, warm_ids if r < warmup else ids, max_new_tokens, gen_kwargs)
+                # with 2+ repeats the last one measures memory and the others time (the meter slows a CPU decode)
+                meter = repeats >= 2 and r == warmup + repeats - 1
+                runs = _one_shared_run(model, members, warm_ids if r < warmup else ids, max_new_tokens, gen_kwargs,
+                                       meter)
             except Exception as exc:
                 if raise_errors:
                     raise
@@ -267,14 +282,18 @@ def _fill(record: RunRecord, runs: list[dict], tokenizer) -> None:
     record.output_ids = last["new_ids"]
     record.new_tokens = len(last["new_ids"])
     record.output_text = tokenizer.decode(last["new_ids"], skip_special_tokens=True) if tokenizer is not None else ""
-    record.samples = [{k: r[k] for k in _TIMED} for r in runs]
+    record.samples = [{**{k: r[k] for k in _TIMED}, "metered": r["metered"]} for r in runs]
+    timed = [r for r in runs if not r["metered"]] or runs
+    metered = [r for r in runs if r["metered"]]
     for k in ("ttft_s", "decode_s", "tokens_per_s", "prefill_s"):
-        setattr(record, k, median_or_none([r[k] for r in runs]))
-    for k in ("shared_prefill_s", "compress_s", "shared_group_s", "shared_prefill_peak_bytes", "decode_peak_bytes"):
-        record.extra[k] = median_or_none([r[k] for r in runs])
-    record.extra["shared_prefill_peak_method"] = last["shared_prefill_peak_method"]
-    record.peak_memory_bytes = median_or_none([r["peak_memory_bytes"] for r in runs])
-    record.peak_memory_method = last["peak_memory_method"]
+        setattr(record, k, median_or_none([r[k] for r in timed]))
+    for k in ("shared_prefill_s", "compress_s", "shared_group_s"):
+        record.extra[k] = median_or_none([r[k] for r in timed])
+    for k in ("shared_prefill_peak_bytes", "decode_peak_bytes"):
+        record.extra[k] = median_or_none([r[k] for r in metered])
+    record.extra["shared_prefill_peak_method"] = metered[-1]["shared_prefill_peak_method"] if metered else "unavailable"
+    record.peak_memory_bytes = median_or_none([r["peak_memory_bytes"] for r in metered])
+    record.peak_memory_method = metered[-1]["peak_memory_method"] if metered else "unavailable"
     record.kv_cache_bytes_prefill = last["kv_cache_bytes_prefill"]
     record.kv_cache_bytes_final = last["kv_cache_bytes_final"]
     record.telemetry = _jsonable(last["telemetry"])
