@@ -442,16 +442,17 @@ def test_streaming_ratio_and_window_are_exclusive():
         StreamingLLM(window=8, ratio=0.5)
 
 
-def test_h2o_decode_probabilities_equal_the_blocked_column_sums_of_one_query():
-    """H2O's one-query decode path (no mask, no blocks) gives the same per-slot attention as the general causal
-    column sums averaged over each GQA group."""
-    from mmaccel.longctx.h2o import accumulated_attention, decode_attention_probs
+def test_one_query_column_scores_equal_the_blocked_masked_pass():
+    """The one-query path of the column scores (a decode step: no mask, no blocks; H2O and TOVA use it every step)
+    gives the same probabilities as the general two-pass blocked computation."""
+    from mmaccel.kernels.column_scores import attention_column_scores_reference
 
     torch.manual_seed(0)
     q, k = torch.randn(2, 6, 1, 8), torch.randn(2, 3, 11, 8)
-    expected = mean_over_query_groups(accumulated_attention(q, k, scaling=0.3), 3)
-    torch.testing.assert_close(decode_attention_probs(q, k, 0.3), expected, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(decode_attention_probs(q, k).sum(-1), torch.ones(2, 3))
+    fast = attention_column_scores_reference(q, k, scaling=0.3)
+    blocked = attention_column_scores_reference(q, k, scaling=0.3, block_size=4)  # 3 blocks, masked, two passes
+    torch.testing.assert_close(fast, blocked, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fast.sum(-1), torch.ones(2, 6))
 
 
 def test_h2o_reuses_the_modules_query_projection_with_the_same_result(sdpa):

@@ -93,6 +93,9 @@ def attention_column_scores_reference(
     def reduced(p: torch.Tensor) -> torch.Tensor:  # [B, Hkv, group, W, n] probabilities -> [B, Hkv, group, n]
         return p.sum(dim=3) if reduce == "sum" else p.mean(dim=3) if reduce == "mean" else p.amax(dim=3)
 
+    if W == 1 and block_size is None:  # one query (a decode step): it sees every key, so no mask and no blocks
+        probs = torch.softmax(torch.matmul(q, k.float().transpose(-1, -2)).mul_(scale), dim=-1)  # [B, Hkv, g, L]
+        return probs.reshape(B, Hq, L)
     if block_size is None:
         block_size = max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
     if block_size >= L:  # one block: one pass

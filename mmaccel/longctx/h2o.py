@@ -46,32 +46,6 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, scaling=
     return out
 
 
-def decode_attention_probs(query: torch.Tensor, keys: torch.Tensor, scaling=None) -> torch.Tensor:
-    """Attention probabilities of one new token over every held key, averaged over each GQA group's query heads.
-
-    Parameters
-    ----------
-    query : torch.Tensor
-        [B, Hq, 1, D] the new token's post-RoPE queries (``Hq`` a multiple of ``Hkv``).
-    keys : torch.Tensor
-        [B, Hkv, S, D] held keys, the new token's included.
-    scaling : float, optional
-        Softmax scale (default ``1 / sqrt(D)``).
-
-    Returns
-    -------
-    torch.Tensor
-        [B, Hkv, S] float32; equals ``mean_over_query_groups(accumulated_attention(query, keys))`` (a single query
-        row needs no causal mask), in three tensor ops instead of a blocked, masked pass.
-    """
-    B, Hq, _, D = query.shape
-    Hkv = keys.shape[1]
-    scale = scaling if scaling is not None else D ** -0.5
-    q = query.float().reshape(B, Hkv, Hq // Hkv, D)
-    probs = torch.softmax(torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scale), dim=-1)  # [B, Hkv, g, S]
-    return probs.mean(dim=2)
-
-
 @dataclass
 class H2O(KVScorer):
     """H2O (Zhang et al., 2023, arXiv 2306.14048): heavy hitters by accumulated attention + a recent window.
@@ -119,8 +93,9 @@ class H2O(KVScorer):
 
     def observe(self, step: LayerStep) -> None:
         acc = step.layer.add_slot_state("attention")
-        if step.query_length == 1:  # a decode step: one query sees every held slot, so no mask and no blocks
-            acc.add_(decode_attention_probs(step.queries(), step.keys, step.scaling))
+        if step.query_length == 1:  # a decode step: one query's probabilities, added in place
+            column = attention_column_scores(step.queries(), step.keys, causal=True, scaling=step.scaling)
+            acc.add_(mean_over_query_groups(column, step.num_kv_heads))
             return
         column = accumulated_attention(step.queries(), step.keys, scaling=step.scaling)
         step.layer.slot_state["attention"] = acc + mean_over_query_groups(column, step.num_kv_heads)
