@@ -228,8 +228,9 @@ class PrivateFolder:
         self._remove = weakref.finalize(self, shutil.rmtree, str(self.path), ignore_errors=True)  # also at exit
 
     def close(self) -> None:
-        """Remove the folder and everything in it (idempotent)."""
-        self._remove()
+        """Remove the folder and everything in it (idempotent; a relaunched app's next request makes it again and
+        the next close removes it again)."""
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def request(self, prefix: str) -> tempfile.TemporaryDirectory:
         """A per-request folder (0700) as a context manager: ``with folder.request("niah-") as out: ...``."""

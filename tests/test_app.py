@@ -24,6 +24,7 @@ from mmaccel.longctx import build_method
 from mmaccel.specs import accepted_keys
 from mmaccel.speculative import METHODS as DRAFTERS
 from mmaccel.vision_tokens import METHODS as VISION_METHODS
+from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +102,7 @@ def app(tmp_path_factory):
     vlm = save_tiny_vlm(tmp / "tiny-llava")
     demo = build_app("micro-lm", vision_model=vision_model, vlm_model=vlm, device="cpu", niah_length=384,
                      haystack=small_haystack(tmp / "hay.txt"), work_dir=tmp / "work", max_upload_mb=0.05)
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    launch_local(demo)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, demo=demo,
                                     vision_model=vision_model, vlm=vlm)

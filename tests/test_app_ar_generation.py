@@ -16,6 +16,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from mmaccel.apps import forms
 from mmaccel.apps.common import AppContext, ModelCache
 from mmaccel.apps.tabs.ar_generation import (
+from app_serving import launch_local
     DEFAULT_PROMPTS,
     ARGenerationTab,
     ar_methods,
@@ -40,7 +41,7 @@ def app(tmp_path_factory):
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     tmp = tmp_path_factory.mktemp("argen")
     demo = mmaccel.apps.workbench.build_app("micro-lm", device="cpu", work_dir=tmp / "work")
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    launch_local(demo)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), demo=demo, tmp=tmp)
     finally:

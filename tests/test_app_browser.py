@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
 from mmaccel.apps.workbench import build_app
+from app_serving import launch_local
 
 SHOTS = ROOT / "runs" / "screenshots"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -52,7 +53,7 @@ def page(tmp_path_factory):
     vision_model = save_tiny_vision_encoder(tmp / "tiny-dinov2", image_size=224, patch_size=14)
     demo = build_app("micro-lm", vision_model=vision_model, vlm_model=save_tiny_vlm(tmp / "tiny-llava"), device="cpu",
                      niah_length=384, haystack=hay, work_dir=tmp / "work")
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    launch_local(demo)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
         with sync_playwright() as p:

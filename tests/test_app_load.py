@@ -18,6 +18,7 @@ gradio_client = pytest.importorskip("gradio_client")
 import itertools
 
 from mmaccel.apps import workbench
+from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # The 8 x 5 ran here once by hand (all 40 served one at a time, 254 s on 2 cores); CI runs a smaller load with
@@ -45,8 +46,7 @@ def app():
     mp = pytest.MonkeyPatch()
     mp.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     demo = workbench.build_app("micro-lm", device="cpu")
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"lifespan": workbench.app_lifespan(demo)})
+    launch_local(demo, app_kwargs={"lifespan": workbench.app_lifespan(demo)})
     try:
         yield types.SimpleNamespace(demo=demo, url=demo.local_url)
     finally:

@@ -27,6 +27,7 @@ from mmaccel.apps.vision_encoder import SCENE_SAMPLE
 from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
 from mmaccel.models.zoo import assets_dir
+from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MiB = 2**20
@@ -67,8 +68,7 @@ def app(tmp_path_factory):
     demo = workbench.build_app("micro-lm", vision_model=vision_model, vlm_model=vlm, device="cpu", niah_length=256,
                                max_upload_mb=1, model_roots=[root])
     folder = workbench.private_folder(demo)
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"lifespan": workbench.app_lifespan(demo)})
+    launch_local(demo, app_kwargs={"lifespan": workbench.app_lifespan(demo)})
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), demo=demo, tmp=tmp,
                                     root=root, marker=marker, vision_model=vision_model, vlm=vlm, folder=folder)
@@ -131,8 +131,7 @@ def test_off_the_loopback_the_app_asks_for_a_login(monkeypatch):
     assert not workbench.private_folder(launched["blocks"]).exists()  # main removed it when launch returned
     monkeypatch.undo()
     demo = workbench.build_app("micro-lm", device="cpu")
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
-                auth=launched["auth"])
+    launch_local(demo, auth=launched["auth"])
     try:
         client = gradio_client.Client(demo.local_url, auth=("ann", "pw1"), verbose=False)
         status, table, _ = client.predict("64", "64", "16", ["prefill"], 1, api_name="/kernels")
@@ -323,8 +322,7 @@ def test_uploads_are_private_and_nothing_is_left_after_the_app_stops(tmp_path, m
     monkeypatch.setattr("mmaccel.apps.tabs.longctx.read_upload", spy)
     demo = workbench.build_app("micro-lm", device="cpu")
     folder = workbench.private_folder(demo)
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"lifespan": workbench.app_lifespan(demo)})
+    launch_local(demo, app_kwargs={"lifespan": workbench.app_lifespan(demo)})
     doc = tmp_path / "unique-upload-name-4f1c.txt"
     doc.write_text("The red fox sleeps. " * 20)
     try:

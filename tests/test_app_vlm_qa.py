@@ -15,6 +15,7 @@ from test_app import save_tiny_vlm  # tests/ is on sys.path (rootdir conftest)
 
 from mmaccel.apps import workbench
 from mmaccel.apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, kept_slots
+from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +32,7 @@ def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vlm-qa")
     vlm = save_tiny_vlm(tmp / "tiny-llava")
     demo = workbench.build_app("micro-lm", vlm_model=vlm, device="cpu", work_dir=tmp / "work", max_upload_mb=0.5)
-    demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    launch_local(demo)
     try:
         yield types.SimpleNamespace(client=gradio_client.Client(demo.local_url, verbose=False), tmp=tmp, vlm=vlm)
     finally:
