@@ -93,6 +93,50 @@ def test_attention_over_a_quantized_layer_matches_a_hand_dequantized_reference()
     assert not torch.allclose(layer.full_kv()[0], keys[:, :, : n + 3], atol=1e-3)  # really lossy
 
 
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+@pytest.mark.parametrize("value_axis", ["channel", "token"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_folded_decode_equals_attention_over_the_dequantized_layer(key_axis, value_axis, bits, monkeypatch):
+    """One decode token over codes + residual (scales folded into the query and the probabilities) equals fp32
+    softmax attention over :meth:`full_kv` (the dequantized slots plus the residual), written out here: B = 2, GQA
+    with 1 and 3 query heads per KV head, a residual of 0 and of 11 slots (not a whole group: the quantized part is
+    always whole groups), and the folded path never dequantizes."""
+    torch.manual_seed(bits)
+    B, H, group = 2, 2, 8
+    for residual, tokens in [(0, 40), (5, 43)]:
+        layer = QuantizedLayer(bits=bits, key_axis=key_axis, value_axis=value_axis, group=group, residual=residual)
+        layer.update(torch.randn(B, H, tokens, D) * 3, torch.randn(B, H, tokens, D) + 1)
+        layer.quantize_overflow()
+        assert layer.quantized % group == 0 and layer.quantized + layer.held == tokens
+        assert layer.held == (0 if residual == 0 else 11)
+        k, v = (t.clone() for t in layer.full_kv())
+        for nq in (1, 3):
+            query = torch.randn(B, H * nq, 1, D)
+            with monkeypatch.context() as m:  # the folded path must not write a dequantized copy
+                m.setattr(layer, "_dequantize", lambda *a, **kw: pytest.fail("decode dequantized the layer"))
+                out = layer.attend(query, None, 0.3)
+            scores = query.reshape(B, H, nq, D) @ k.transpose(-1, -2) * 0.3
+            want = (scores.softmax(-1) @ v).reshape(B, H * nq, 1, D)
+            assert out.shape == query.shape and out.dtype == query.dtype
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_decode_runs_in_fp32_for_a_bf16_cache_and_prefill_still_dequantizes():
+    torch.manual_seed(1)
+    layer = QuantizedLayer(bits=4, key_axis="channel", value_axis="token", group=8, residual=4)
+    keys, values = torch.randn(1, 2, 36, D), torch.randn(1, 2, 36, D)
+    layer.update(keys.bfloat16(), values.bfloat16())
+    layer.quantize_overflow()
+    query = torch.randn(1, 4, 1, D).bfloat16()
+    k, v = (t.float().repeat_interleave(2, 1) for t in layer.full_kv())
+    want = ((query.float() @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v).bfloat16()
+    out = layer.attend(query, None, 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # bf16 scales; the output rounded to bf16
+    prefill = layer.attend(torch.randn(1, 4, 3, D).bfloat16(), None, 0.25)  # q > 1: over full_kv, causal
+    assert prefill.shape == (1, 4, 3, D) and bool(prefill.isfinite().all())
+
+
 def test_bits16_is_a_bit_exact_passthrough_alone_and_under_eviction(sdpa):
     ids = random_prompt(80)
     seq, logits, _, _ = _run(sdpa, "full", ids)

@@ -119,25 +119,48 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
     return out
 
 
+def unpack_float(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """The integer codes of packed ``codes`` as floats in ``out`` (one shift/mask and one converting copy per code
+    slice, no scale and no zero point): what the folded decode attention multiplies with (:meth:`QuantizedLayer.attend`).
+
+    Parameters
+    ----------
+    codes : torch.Tensor
+        uint8 [..., n, D * bits / 8] packed codes (:func:`pack`).
+    bits : {2, 4, 8}
+    out : torch.Tensor
+        Float [..., n, D], written in place.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``, holding the codes 0 .. 2**bits - 1 (exact in every float dtype for bits <= 8).
+    """
+    width = codes.shape[-1]
+    for i, c in _slices(codes, bits):
+        out[..., i * width:(i + 1) * width].copy_(c)
+    return out
+
+
 class _Scratch:
-    """One reusable [B, Hkv, S, D] K and V buffer pair, shared by the layers of a :class:`KVQuant` cache (layers
-    attend one at a time), grown when a layer needs more slots: the dequantized keys and values of the current layer
-    plus its residual, without an allocation or a concatenation per layer and step. Its size is one layer's K/V in
-    the compute dtype, a transient working buffer, not held K/V."""
+    """One reusable K and V buffer pair, shared by the layers of a :class:`KVQuant` cache (layers attend one at a
+    time), grown when a layer needs more room: the dequantized keys and values of the current layer plus its residual
+    (prefill), or its float codes (:meth:`QuantizedLayer.decode_attend`), without an allocation or a concatenation
+    per layer and step. Its size is one layer's K/V in the compute dtype, a transient working buffer, not held K/V."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
     def get(self, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous [B, Hkv, slots, D] K and V views (``like``'s B, Hkv, D, dtype and device) of the buffers."""
         B, H, _, D = like.shape
+        size = B * H * slots * D
         k = self.k
-        if k is None or k.shape[0] != B or k.shape[1] != H or k.shape[3] != D or k.shape[2] < slots \
-                or k.dtype != like.dtype or k.device != like.device:
-            room = max(slots, 2 * (k.shape[2] if k is not None and k.shape[:2] == (B, H) else 0), 64)
-            self.k = like.new_empty(B, H, room, D)
-            self.v = like.new_empty(B, H, room, D)
-        return self.k[:, :, :slots], self.v[:, :, :slots]
+        if k is None or k.numel() < size or k.dtype != like.dtype or k.device != like.device:
+            room = max(size, 2 * (k.numel() if k is not None else 0), 64 * B * H * D)
+            self.k, self.v = like.new_empty(room), like.new_empty(room)
+        return self.k[:size].view(B, H, slots, D), self.v[:size].view(B, H, slots, D)
 
 
 class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
@@ -223,10 +246,100 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
         return k, v
 
     def attend(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` [B, Hq, q, D] over the layer: one query token with quantized slots takes
+        :meth:`decode_attend` (no dequantized copy); a prefill (``q > 1``) or a layer without codes attends over
+        :meth:`full_kv`. Returns [B, Hq, q, D] in ``query``'s dtype."""
+        if query.shape[2] == 1 and self.key_codes is not None:
+            return self.decode_attend(query, scaling)
         k, v = self.full_kv()
         if query.shape[2] == 1:
             return decode_attention(query, k, v, scaling=scaling)
         return attention(query, k, v, causal=True, scaling=scaling)
+
+    def decode_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention straight from the codes: the scales and zero points are folded into the query and the
+        probabilities, so no scaled float copy of K or V is ever written (KIVI's decode, Liu et al., 2024, arXiv
+        2402.02750, Sec. 3.3, done with batched matmuls instead of a fused kernel).
+
+        With codes ``c`` converted to float once (:func:`unpack_float` into the shared scratch buffer, no multiply):
+
+        - keys per channel, ``K[t, d] = s[g(t), d] c[t, d] + z[g(t), d]``:
+          ``q . K_t = sum_d (q_d s[g, d]) c[t, d] + q . z[g]``: one query per group, ``[.., G, group, D] @ [.., G, D,
+          nq]``, plus a bias per group;
+        - keys per token, ``K[t] = s_t c_t + z_t``: ``q . K_t = s_t (q . c_t) + z_t sum(q)``;
+        - values per token: ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``;
+        - values per channel: ``sum_g s[g] * (p_g @ c_g) + (sum_{t in g} p_t) @ z[g]``.
+
+        Every (key_axis, value_axis) pair folds; nothing falls back. The full-precision residual enters the same
+        softmax: the scores over ``[quantized | residual]`` are one fp32 softmax, then the probabilities are split.
+        Quantized slots always come in whole groups (:meth:`quantize_overflow`), so there is no partial group.
+        Everything runs in fp32 whatever the cache's dtype (equal to attention over :meth:`full_kv` within fp32
+        rounding for an fp32 cache).
+
+        Parameters
+        ----------
+        query : torch.Tensor
+            [B, Hq, 1, D]; ``Hq`` a multiple of the layer's ``Hkv`` (GQA: ``nq = Hq // Hkv`` query heads share a KV
+            head and its scales).
+        scaling : float
+            Softmax scale.
+
+        Returns
+        -------
+        torch.Tensor
+            [B, Hq, 1, D] in ``query``'s dtype.
+
+        Raises
+        ------
+        ValueError
+            If the layer holds no quantized slots or ``query`` is not one token of a multiple of ``Hkv`` heads.
+        """
+        B, Hq, L, D = query.shape
+        H = self.key_codes.shape[1] if self.key_codes is not None else 0
+        if L != 1 or H == 0 or Hq % H:
+            raise ValueError(f"decode_attend takes one query token [B, Hq, 1, D] with Hq a multiple of the "
+                             f"{H} KV heads and quantized slots; got {tuple(query.shape)} (use attend)")
+        nq, n, f32 = Hq // H, self.quantized, torch.float32
+        q = query.reshape(B, H, nq, D).to(f32) * scaling
+        codes_k, codes_v = self.scratch.get(q.new_empty(B, H, 0, D), n)
+        scores = q.new_empty(B, H, nq, n + self.held)
+        self._fold_keys(q, unpack_float(self.key_codes, self.bits, codes_k), scores[..., :n])
+        scores[..., n:] = q @ self.keys.to(f32).transpose(-1, -2)
+        probs = scores.softmax(-1)
+        out = self._fold_values(probs[..., :n], unpack_float(self.value_codes, self.bits, codes_v))
+        out.add_(probs[..., n:] @ self.values.to(f32))
+        return out.reshape(B, Hq, 1, D).to(query.dtype)
+
+    def _fold_keys(self, q: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+        """Scores [B, H, nq, n] of the scaled queries ``q`` [B, H, nq, D] against the float codes [B, H, n, D]."""
+        B, H, nq, D = q.shape
+        n = codes.shape[2]
+        scale, zero = self.key_scale.float(), self.key_zero.float()
+        if self.key_axis == "channel":  # scale, zero [B, H, G, 1, D]
+            G = n // self.group
+            per_group = q[:, :, None] * scale  # [B, H, G, nq, D]
+            # [G, nq, D] @ [G, D, group] (the codes as the transposed operand): 1.3-1.8x faster than [G, group, D]
+            # @ [G, D, nq] on the CPU (see benchmarks/kvquant_decode_micro.py)
+            s = per_group @ codes.view(B, H, G, self.group, D).transpose(-1, -2)  # [B, H, G, nq, group]
+            s += (q[:, :, None] * zero).sum(-1, keepdim=True)  # [B, H, G, nq, 1]
+            out.view(B, H, nq, G, self.group).copy_(s.transpose(2, 3))
+        else:  # scale, zero [B, H, n, 1]
+            s = codes @ q.transpose(-1, -2)  # [B, H, n, nq]
+            s.mul_(scale).add_(zero * q.sum(-1)[:, :, None, :])
+            out.copy_(s.transpose(-1, -2))
+
+    def _fold_values(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``probs`` [B, H, nq, n] times the quantized values (float codes [B, H, n, D]): [B, H, nq, D] fp32."""
+        B, H, nq, n = probs.shape
+        D = codes.shape[-1]
+        scale, zero = self.value_scale.float(), self.value_zero.float()
+        if self.value_axis == "token":  # scale, zero [B, H, n, 1]
+            out = (probs * scale.transpose(-1, -2)) @ codes
+            return out.add_(probs @ zero)
+        G = n // self.group  # scale, zero [B, H, G, 1, D]
+        p = probs.view(B, H, nq, G, self.group).transpose(2, 3)  # [B, H, G, nq, group]
+        out = ((p @ codes.view(B, H, G, self.group, D)) * scale).sum(2)  # [B, H, nq, D]
+        return out.add_(p.sum(-1).transpose(-1, -2) @ zero[:, :, :, 0])
 
     def kv_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values, self.key_codes, self.value_codes) if t is not None]
