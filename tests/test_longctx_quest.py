@@ -8,6 +8,7 @@ from tiny_models import random_prompt, tiny_llama
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from mmaccel.kernels import decode_attention, gather_pages
 from mmaccel.longctx import METHODS, Quest, build_method, kv_cache_bytes
 from mmaccel.longctx.quest import QuestLayer, page_bounds, quest_page_scores
 
@@ -53,6 +54,25 @@ def test_page_bounds_stay_right_as_tokens_arrive_one_by_one():
         layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
         lo, hi = page_bounds(keys[:, :, : t + 1], 5)
         assert torch.equal(layer.kmin, lo) and torch.equal(layer.kmax, hi)
+
+
+def test_cpu_page_copy_path_equals_the_kernel_page_read_and_the_element_wise_bound():
+    """The CPU path (whole pages copied by ``gather_pages``, the newest partial page appended, SDPA) equals
+    ``decode_attention(pages=...)``; the two-matmul page bound equals the element-wise max of the paper."""
+    torch.manual_seed(0)
+    for T in (37, 40):  # a partial and a full newest page
+        layer = QuestLayer(budget=16, ratio=None, page_size=4)
+        layer.update(torch.randn(2, 2, T - 1, 8), torch.randn(2, 2, T - 1, 8))
+        layer.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))  # a view into a grown store
+        query = torch.randn(2, 6, 1, 8)
+        pages = layer.select_pages(query)
+        assert pages.shape[-1] == 4 and (pages[..., -1] == layer.kmin.shape[2] - 1).all()
+        expected = decode_attention(query, layer.keys, layer.values, pages=pages, page_size=4, scaling=0.3)
+        torch.testing.assert_close(layer.attend_pages(query, pages, 0.3), expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(gather_pages(layer.keys, pages[..., :1], 4)[1, 1], layer.keys[1, 1, 4 * pages[1, 1, 0]:][:4])
+        q = query.reshape(2, 2, 3, 1, 8)
+        elementwise = torch.maximum(q * layer.kmin[:, :, None], q * layer.kmax[:, :, None]).sum(-1).amax(2)
+        torch.testing.assert_close(quest_page_scores(query, layer.kmin, layer.kmax, "max"), elementwise)
 
 
 @pytest.mark.parametrize("spec", ["quest:budget=1000", "quest:ratio=1.0:page_size=4"])

@@ -13,7 +13,7 @@ Plain functions, each with a PyTorch reference and a ``backend="auto" | "flash" 
 """
 from .backends import available_backends
 from .column_scores import attention_column_scores
-from .decode import decode_attention
+from .decode import decode_attention, gather_pages
 from .dense import attention
 from .hf import attention_patterns, register_attention
 from .packed_linear import PackedLinear, PackedLinears, packed_linear_available
@@ -34,6 +34,7 @@ __all__ = [
     "attention_patterns",
     "available_backends",
     "decode_attention",
+    "gather_pages",
     "packed_linear_available",
     "register_attention",
     "sparse_prefill_attention",

@@ -80,6 +80,9 @@ def attention_column_scores_reference(
     scale = scaling if scaling is not None else 1.0 / math.sqrt(D)
     group = Hq // Hkv
     q = q_window.float().reshape(B, Hkv, group * W, D)
+    if W == 1 and block_size is None:  # one query (a decode step): it sees every key, so no mask and no blocks
+        probs = torch.softmax(torch.matmul(q, k.float().transpose(-1, -2)).mul_(scale), dim=-1)  # [B, Hkv, g, L]
+        return probs.reshape(B, Hq, L)
     qpos = torch.arange(W, device=k.device) + (L - W)  # [W]
     qpos = qpos.repeat(group)  # [group * W], matching the reshape order (group-major)
 
@@ -93,9 +96,6 @@ def attention_column_scores_reference(
     def reduced(p: torch.Tensor) -> torch.Tensor:  # [B, Hkv, group, W, n] probabilities -> [B, Hkv, group, n]
         return p.sum(dim=3) if reduce == "sum" else p.mean(dim=3) if reduce == "mean" else p.amax(dim=3)
 
-    if W == 1 and block_size is None:  # one query (a decode step): it sees every key, so no mask and no blocks
-        probs = torch.softmax(torch.matmul(q, k.float().transpose(-1, -2)).mul_(scale), dim=-1)  # [B, Hkv, g, L]
-        return probs.reshape(B, Hq, L)
     if block_size is None:
         block_size = max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
     if block_size >= L:  # one block: one pass

@@ -26,6 +26,38 @@ def pages_to_indices(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.where(pages[..., None] < 0, -1, tok).flatten(-2)
 
 
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The rows of whole pages of a cache, per head, in the order given: a copy of only the selected pages.
+
+    The CPU's fast path for a page selection (Quest, Tang et al., 2024, arXiv 2406.10774): one indexed copy of whole
+    pages (``page_size * D`` contiguous values each), then dense attention over the copy, instead of a per-token
+    gather with a mask (:func:`decode_attention`'s reference path, 3-4x slower at 4k).
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        [B, H, S, D] keys or values (a view into a larger store is fine: its rows must be contiguous per head).
+    pages : torch.Tensor
+        int [B, H, k] page ids, each a *whole* page: ``0 <= page < S // page_size`` (not checked: callers select
+        from their own full pages).
+    page_size : int
+        Tokens per page, >= 1.
+
+    Returns
+    -------
+    torch.Tensor
+        [B, H, k * page_size, D], contiguous, in ``cache``'s dtype.
+    """
+    B, H, S, D = cache.shape
+    full = S // page_size
+    k = pages.shape[-1]
+    if k == 0 or full == 0:
+        return cache.new_empty(B, H, 0, D)
+    rows = cache[:, :, :full * page_size].reshape(B * H, full, page_size * D)
+    heads = torch.arange(B * H, device=cache.device)[:, None]
+    return rows[heads, pages.reshape(B * H, k).long()].view(B, H, k * page_size, D)
+
+
 def _reference(q, k_cache, v_cache, idx, lens, scale) -> torch.Tensor:
     """Gather the selected keys (a copy: this is the oracle), then fp32 softmax attention."""
     B, Hq, D = q.shape

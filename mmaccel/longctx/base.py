@@ -520,10 +520,9 @@ class EvictingLayer(DynamicLayer):
         self.keys.scatter_(2, idx, key_states.to(self.keys.dtype))
         self.values.scatter_(2, idx, value_states.to(self.values.dtype))
         slot = self.free[..., None]
-        self.positions.scatter_(2, slot, torch.full_like(slot, self.cumulative_length))
+        self.positions.scatter_(2, slot, self.cumulative_length)  # a scalar value: no filled tensor per step
         for name, state in self.slot_state.items():
-            state.scatter_(2, slot, torch.full(slot.shape, self._fills[name][0], dtype=state.dtype,
-                                               device=state.device))
+            state.scatter_(2, slot, self._fills[name][0])
         self.free = None
         self.cumulative_length += 1
         return self.keys, self.values

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import attention, decode_attention
+from ..kernels import attention, decode_attention, gather_pages
 from .base import (KVMethod, _check_int, _check_ratio, append_slots, bookkeeping_bytes, check_group, kv_cache_bytes,
                    query_group_scores)
 from .owned import AttentionOwningLayer, OwnedAttentionCache
@@ -60,10 +60,11 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     """
     B, Hq, _, D = query.shape
     Hkv = kmin.shape[1]
-    q = query.float().reshape(B, Hkv, Hq // Hkv, 1, D)
-    lo, hi = kmin.float()[:, :, None], kmax.float()[:, :, None]  # [B, Hkv, 1, P, D]
-    bound = torch.maximum(q * lo, q * hi).sum(-1)  # [B, Hkv, group, P], query head h = kv head * group + j
-    return query_group_scores(bound.reshape(B, Hq, -1), Hkv, group)
+    q = query.float().reshape(B, Hkv, Hq // Hkv, D)
+    # max(q_d kmin_d, q_d kmax_d) is q_d kmax_d where q_d > 0 and q_d kmin_d where q_d < 0: two matmuls read each
+    # bound once (the element-wise form wrote three [group, P, D] temporaries: 3x slower at 4k)
+    bound = q.clamp(min=0) @ kmax.float().transpose(-1, -2) + q.clamp(max=0) @ kmin.float().transpose(-1, -2)
+    return query_group_scores(bound.reshape(B, Hq, -1), Hkv, group)  # query head h = kv head * group + j
 
 
 class QuestLayer(AttentionOwningLayer):
@@ -148,9 +149,23 @@ class QuestLayer(AttentionOwningLayer):
         self.last_pages = pages
         rows = (T - pages * self.page_size).clamp(max=self.page_size)  # tokens in each selected page
         self.read_fractions.append(rows.sum(-1).float().mean() / T)  # a 0-d tensor: no GPU sync per layer and step
+        if query.device.type == "cpu":  # copy the whole pages read, then dense attention over the copy
+            return self.attend_pages(query, pages, scaling)
         # pages come from a top-k over this cache's own pages: in range by construction, so skip the bounds check
         return decode_attention(query, self.keys, self.values, pages=pages, page_size=self.page_size,
                                 scaling=scaling, check_indices=False)
+
+    def attend_pages(self, query: torch.Tensor, pages: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of [B, Hq, 1, D] ``query`` over the rows of ``pages`` ([B, Hkv, k] ascending, the newest page
+        last, as :meth:`select_pages` returns them): the whole pages are copied (:func:`~mmaccel.kernels.gather_pages`),
+        the newest, possibly partial, page is appended, and SDPA reads the copy. The same result as
+        :func:`~mmaccel.kernels.decode_attention` with ``pages=`` (tested), 3-4x faster on the CPU at 4k."""
+        newest = (self.kmin.shape[2] - 1) * self.page_size
+
+        def rows(cache):
+            return torch.cat([gather_pages(cache, pages[..., :-1], self.page_size), cache[:, :, newest:]], dim=2)
+
+        return attention(query, rows(self.keys), rows(self.values), causal=False, scaling=scaling, backend="sdpa")
 
     def bookkeeping_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.kmin, self.kmax) if t is not None]
