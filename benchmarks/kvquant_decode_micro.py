@@ -5,8 +5,8 @@ folded into the query and the probabilities, codes converted to float once, no s
 
 The shape of one smollm2-135m layer at 4k: B=1, 3 KV heads, 9 query heads, head_dim 64, T tokens (default 4096),
 4-bit keys per channel in groups of 32 and values per token, a residual of 32 full-precision slots; fp32.
-Each figure is the median of ``--repeats`` calls after ``--warmup``; the outputs of both paths are checked against
-each other first.
+Each figure is the median of ``--repeats`` interleaved calls after ``--warmup``, in wall time and in thread CPU time;
+the outputs of both paths are checked against each other first.
 
 Usage::
 
@@ -28,16 +28,23 @@ from mmaccel.kernels import decode_attention
 from mmaccel.longctx.kvquant import QuantizedLayer
 
 
-def median_ms(fn, repeats: int, warmup: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
+def median_ms(fns: dict, repeats: int, warmup: int) -> dict:
+    """Median wall time and median thread CPU time (``time.thread_time``: robust to being descheduled on a loaded
+    machine, not to shared-cache contention) of each ``fn()`` in milliseconds, the functions interleaved call by call
+    so that a burst of load hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            cpu[name].append(time.thread_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    return {f"{name}_{kind}_ms": round(1e3 * statistics.median(times[name]), 4)
+            for name in fns for kind, times in (("wall", wall), ("cpu", cpu))}
 
 
 def main(argv=None) -> dict:
@@ -75,8 +82,7 @@ def main(argv=None) -> dict:
 
     err = float((old() - new()).abs().max())
     load_before = os.getloadavg()
-    record = {name: round(median_ms(fn, args.repeats, args.warmup), 4) for name, fn in
-              (("old_dequantize_ms", old), ("folded_ms", new), ("full_precision_ms", full))}
+    record = median_ms({"old_dequantize": old, "folded": new, "full_precision": full}, args.repeats, args.warmup)
     record.update(max_abs_diff_old_vs_folded=err, load_before=load_before, load_after=os.getloadavg(),
                   args=vars(args), torch=torch.__version__)
     print(json.dumps(record, indent=1))
