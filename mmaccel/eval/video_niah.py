@@ -425,7 +425,7 @@ def run_streamed(model, processor, clip, config: VisualConfig, *, batch: int = 1
         with PeakMemory(device, cpu_meter=memory_meter) as mem:
             t0 = time.perf_counter()
             run = streamed_generate(model, prefix, separator, suffix,
-                                    frame_pixels(processor.image_processor, iter(clip), batch),
+                                    mem.checkpointed(frame_pixels(processor.image_processor, iter(clip), batch)),
                                     vision=config.vision, kv=config.kv, max_new_tokens=max_new_tokens,
                                     eos_token_id=processor.tokenizer.eos_token_id, frames=len(clip),
                                     position_limit=getattr(text_config, "max_position_embeddings", None))
