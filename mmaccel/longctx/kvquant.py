@@ -68,7 +68,12 @@ def _slices(packed: torch.Tensor, bits: int):
         return
     mask = (1 << bits) - 1
     for i in range(per):
-        yield i, (packed >> (i * bits)) & mask if i else packed & mask
+        if i == 0:
+            yield i, packed & mask
+        elif i == per - 1:  # the top slice: the shift leaves only its bits
+            yield i, packed >> (i * bits)
+        else:
+            yield i, (packed >> (i * bits)) & mask
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -140,9 +145,19 @@ def unpack_float(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Ten
         [8 // bits, ..., n, D * bits / 8], a view of ``out``: slice ``i`` holds the codes of channels
         ``[i * D * bits / 8, (i + 1) * D * bits / 8)``, 0 .. 2**bits - 1 (exact in every float dtype for bits <= 8).
     """
-    slices = out.view(8 // bits, *codes.shape)
-    for i, c in _slices(codes, bits):
-        slices[i].copy_(c)
+    per = 8 // bits
+    slices = out.view(per, *codes.shape)
+    if per == 1:
+        slices[0].copy_(codes)
+        return slices
+    mask = (1 << bits) - 1
+    for i in range(per):  # the bit operation converts as it stores (no uint8 temporary for the lowest and top slice)
+        if i == 0:
+            torch.bitwise_and(codes, mask, out=slices[i])
+        elif i == per - 1:
+            torch.bitwise_right_shift(codes, i * bits, out=slices[i])
+        else:
+            torch.bitwise_and(codes >> (i * bits), mask, out=slices[i])
     return slices
 
 
@@ -315,12 +330,12 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
                              f"{H} KV heads and quantized slots; got {tuple(query.shape)} (use attend)")
         nq, n, f32 = Hq // H, self.quantized, torch.float32
         q = query.reshape(B, H, nq, D).to(f32) * scaling
-        codes_k, codes_v = self.scratch.get(q.new_empty(B, H, 0, D), n)
+        codes, _ = self.scratch.get(q.new_empty(B, H, 0, D), n)  # the keys' codes, then the values' (hot in cache)
         scores = q.new_empty(B, H, nq, n + self.held)
-        self._fold_keys(q, unpack_float(self.key_codes, self.bits, codes_k), scores[..., :n])
+        self._fold_keys(q, unpack_float(self.key_codes, self.bits, codes), scores[..., :n])
         scores[..., n:] = q @ self.keys.to(f32).transpose(-1, -2)
         probs = scores.softmax(-1)
-        out = self._fold_values(probs[..., :n], unpack_float(self.value_codes, self.bits, codes_v))
+        out = self._fold_values(probs[..., :n], unpack_float(self.value_codes, self.bits, codes))
         out.add_(probs[..., n:] @ self.values.to(f32))
         return out.reshape(B, Hq, 1, D).to(query.dtype)
 
