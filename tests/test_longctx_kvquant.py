@@ -132,6 +132,8 @@ def test_folded_decode_runs_in_fp32_for_a_bf16_cache_and_prefill_still_dequantiz
     want = ((query.float() @ k.transpose(-1, -2) * 0.25).softmax(-1) @ v).bfloat16()
     out = layer.attend(query, None, 0.25)
     assert out.dtype == torch.bfloat16
+    # the decode's working memory: one fp32 buffer for the codes (keys', then values'), no bf16 pair kept besides
+    assert layer.scratch.v is None and layer.scratch.k.dtype == torch.float32
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # bf16 scales; the output rounded to bf16
     prefill = layer.attend(torch.randn(1, 4, 3, D).bfloat16(), None, 0.25)  # q > 1: over full_kv, causal
     assert prefill.shape == (1, 4, 3, D) and bool(prefill.isfinite().all())

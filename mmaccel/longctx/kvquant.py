@@ -174,22 +174,35 @@ def _merge(t: torch.Tensor) -> torch.Tensor:
 class _Scratch:
     """One reusable K and V buffer pair, shared by the layers of a :class:`KVQuant` cache (layers attend one at a
     time), grown when a layer needs more room: the dequantized keys and values of the current layer plus its residual
-    (prefill), or its float codes (:meth:`QuantizedLayer.decode_attend`), without an allocation or a concatenation
-    per layer and step. Its size is one layer's K/V in the compute dtype, a transient working buffer, not held K/V."""
+    (prefill), or one buffer for the float codes of its keys and then of its values (a decode step,
+    :meth:`QuantizedLayer.decode_attend`, fp32), without an allocation or a concatenation per layer and step. Its
+    size is one layer's K/V, a transient working buffer, not held K/V."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
+    @staticmethod
+    def _room(buf: torch.Tensor | None, like: torch.Tensor, size: int) -> torch.Tensor:
+        if buf is not None and buf.numel() >= size and buf.dtype == like.dtype and buf.device == like.device:
+            return buf
+        grown = 2 * buf.numel() if buf is not None and buf.dtype == like.dtype else 0
+        return like.new_empty(max(size, grown, 64 * like.shape[0] * like.shape[1] * like.shape[3]))
+
     def get(self, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous [B, Hkv, slots, D] K and V views (``like``'s B, Hkv, D, dtype and device) of the buffers."""
         B, H, _, D = like.shape
-        size = B * H * slots * D
-        k = self.k
-        if k is None or k.numel() < size or k.dtype != like.dtype or k.device != like.device:
-            room = max(size, 2 * (k.numel() if k is not None else 0), 64 * B * H * D)
-            self.k, self.v = like.new_empty(room), like.new_empty(room)
-        return self.k[:size].view(B, H, slots, D), self.v[:size].view(B, H, slots, D)
+        self.k, self.v = self._room(self.k, like, B * H * slots * D), self._room(self.v, like, B * H * slots * D)
+        return self.k[:B * H * slots * D].view(B, H, slots, D), self.v[:B * H * slots * D].view(B, H, slots, D)
+
+    def one(self, like: torch.Tensor, slots: int) -> torch.Tensor:
+        """A contiguous [B, Hkv, slots, D] view of the K buffer alone (the V buffer is dropped if its dtype differs:
+        a bf16 cache's decode in fp32 does not keep a bf16 pair besides)."""
+        B, H, _, D = like.shape
+        self.k = self._room(self.k, like, B * H * slots * D)
+        if self.v is not None and self.v.dtype != like.dtype:
+            self.v = None
+        return self.k[:B * H * slots * D].view(B, H, slots, D)
 
 
 class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
@@ -330,7 +343,7 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
                              f"{H} KV heads and quantized slots; got {tuple(query.shape)} (use attend)")
         nq, n, f32 = Hq // H, self.quantized, torch.float32
         q = query.reshape(B, H, nq, D).to(f32) * scaling
-        codes, _ = self.scratch.get(q.new_empty(B, H, 0, D), n)  # the keys' codes, then the values' (hot in cache)
+        codes = self.scratch.one(q.new_empty(B, H, 0, D), n)  # the keys' codes, then the values' (hot in cache)
         scores = q.new_empty(B, H, nq, n + self.held)
         self._fold_keys(q, unpack_float(self.key_codes, self.bits, codes), scores[..., :n])
         scores[..., n:] = q @ self.keys.to(f32).transpose(-1, -2)
