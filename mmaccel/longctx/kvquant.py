@@ -366,9 +366,8 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
             s += (q[:, :, None] * zero).sum(-1, keepdim=True)  # [B, H, G, nq, 1]
             out.view(B, H, nq, G, self.group).copy_(s.transpose(2, 3))
         else:  # scale, zero [B, H, n, 1]
-            s = (codes @ _split(q, per).transpose(-1, -2)).sum(0)  # [B, H, n, nq]
-            s.mul_(scale).add_(zero * q.sum(-1)[:, :, None, :])
-            out.copy_(s.transpose(-1, -2))
+            s = (_split(q, per) @ codes.transpose(-1, -2)).sum(0)  # [B, H, nq, n]: the codes as the transposed operand
+            torch.addcmul(s * scale.transpose(-1, -2), q.sum(-1, keepdim=True), zero.transpose(-1, -2), out=out)
 
     def _fold_values(self, probs: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """``probs`` [B, H, nq, n] times the quantized values (float codes, slice-major [per, B, H, n, D / per]):
