@@ -28,8 +28,8 @@ run                    old (dequantize + decode)   folded (decode_attend)  full-
 
 Folded is 1.7x faster than the old path and 1.26-1.29x the full-precision time per layer (4-bit keys per channel).
 Same command, one run each: ``--bits 2`` 7.68 / 4.17 / 2.60 ms; ``--bits 8`` 4.00 / 2.69 / 2.84 ms;
-``--key-axis token --value-axis channel`` 6.36 / 5.52 / 2.53 ms (before the per-token keys took the codes as the
-transposed operand too). Absolute times are inflated by the load (the same full-precision step measured 0.7-3.0 ms
+``--key-axis token --value-axis channel`` 6.36 / 5.52 / 2.53 ms before the per-token keys took the codes as the
+transposed operand too, 11.34 / 5.98 / 4.24 ms after (``--repeats 200``, load 4.1-5.3: a busier minute). Absolute times are inflated by the load (the same full-precision step measured 0.7-3.0 ms
 over the session as the load changed); ratios on a quiet machine are the lead's to take.
 """
 from __future__ import annotations
