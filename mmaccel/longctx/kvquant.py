@@ -300,14 +300,14 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
 
     def decode_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Decode attention straight from the codes: the scales and zero points are folded into the query and the
-        probabilities, so no scaled float copy of K or V is ever written (KIVI's decode, Liu et al., 2024, arXiv
-        2402.02750, Sec. 3.3, done with batched matmuls instead of a fused kernel).
+        probabilities, so no scaled float copy of K or V is ever written (KIVI, Liu et al., 2024, arXiv 2402.02750, fuses
+        dequantization into its matmul kernels; here the same algebra runs as batched torch matmuls).
 
         With codes ``c`` converted to float once (:func:`unpack_float` into the shared scratch buffer, no multiply):
 
         - keys per channel, ``K[t, d] = s[g(t), d] c[t, d] + z[g(t), d]``:
-          ``q . K_t = sum_d (q_d s[g, d]) c[t, d] + q . z[g]``: one query per group, ``[.., G, group, D] @ [.., G, D,
-          nq]``, plus a bias per group;
+          ``q . K_t = sum_d (q_d s[g, d]) c[t, d] + q . z[g]``: one query per group, ``[.., G, nq, w] @ [.., G, w,
+          group]`` per code slice of ``w = D * bits / 8`` channels, summed over the slices, plus a bias per group;
         - keys per token, ``K[t] = s_t c_t + z_t``: ``q . K_t = s_t (q . c_t) + z_t sum(q)``;
         - values per token: ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``;
         - values per channel: ``sum_g s[g] * (p_g @ c_g) + (sum_{t in g} p_t) @ z[g]``.
