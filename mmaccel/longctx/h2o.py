@@ -11,6 +11,7 @@ import torch
 
 from ..kernels import attention_column_scores
 from .base import KVScorer, LayerStep, _check_int, mean_over_query_groups
+from .owned import DecodeProbsScorer
 
 _QUERY_BLOCK = 256
 
@@ -47,7 +48,7 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, scaling=
 
 
 @dataclass
-class H2O(KVScorer):
+class H2O(DecodeProbsScorer, KVScorer):
     """H2O (Zhang et al., 2023, arXiv 2306.14048): heavy hitters by accumulated attention + a recent window.
 
     Every held slot carries its accumulated attention (per-slot state ``"attention"``, [B, Hkv, S] float32): the
@@ -94,7 +95,9 @@ class H2O(KVScorer):
     def observe(self, step: LayerStep) -> None:
         acc = step.layer.add_slot_state("attention")
         if step.query_length == 1:  # a decode step: one query's probabilities, added in place
-            column = attention_column_scores(step.queries(), step.keys, causal=True, scaling=step.scaling)
+            column = getattr(step.layer, "decode_probs", None)  # from the step's attention (None: recompute)
+            if column is None:
+                column = attention_column_scores(step.queries(), step.keys, causal=True, scaling=step.scaling)
             acc.add_(mean_over_query_groups(column, step.num_kv_heads))
             return
         column = accumulated_attention(step.queries(), step.keys, scaling=step.scaling)

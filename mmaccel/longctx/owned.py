@@ -24,8 +24,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
-from ..kernels.hf import attention_modules, check_attention_kwargs, hooked_cache, refuse_attention_variants
-from .base import KVMethodCache, has_padding, no_method_layers_error
+from ..kernels import attention
+from ..kernels.hf import (attention_modules, attention_variants, check_attention_kwargs, hooked_cache,
+                          refuse_attention_variants)
+from .base import EvictingLayer, KVMethodCache, has_padding, no_method_layers_error
 
 logger = logging.getLogger(__name__)
 
@@ -229,3 +231,86 @@ class OwnedAttentionCache(KVMethodCache):
                 cache.close()  # the forward raised: give the modules back their own attention
 
         self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
+
+
+class DecodeProbsLayer(EvictingLayer, AttentionOwningLayer):
+    """An evicting layer that computes a decode step's attention itself and keeps its probabilities.
+
+    For methods that score slots by the attention the new token gives them at every decode step (H2O's accumulated
+    attention, Zhang et al., 2023, arXiv 2306.14048; TOVA, Oren et al., 2024, arXiv 2401.06104): the probabilities
+    the output is computed from are the scores, so the step reads the keys once (one matmul, one fp32 softmax, one
+    matmul) instead of running the model's attention and then recomputing the query's projection, RoPE and
+    probabilities. A forward of more than one token (the prefill) runs :func:`mmaccel.kernels.attention` (causal)
+    and keeps no probabilities. Used through :func:`decode_probs_cache`; under a plain
+    :class:`~mmaccel.longctx.base.KVMethodCache` (a model with a softcap or sinks) the model's own attention runs
+    and ``attend`` is never called.
+
+    Attributes
+    ----------
+    decode_probs : torch.Tensor or None
+        float32 [B, Hq, S]: the last one-token forward's attention probabilities over the ``S`` held slots (query
+        head ``h`` reads KV head ``h // (Hq // Hkv)``); ``None`` after a prefill forward.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.decode_probs: torch.Tensor | None = None
+
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """[B, Hq, q, D] attention over the held slots; for ``q == 1`` also sets :attr:`decode_probs`.
+
+        Raises
+        ------
+        ValueError
+            A left-padded prefill (the methods using this layer refuse padding).
+        """
+        self.decode_probs = None
+        B, Hq, q, D = query.shape
+        if q > 1:
+            self.check_unpadded(attention_mask, q, type(self).__name__)
+            return attention(query, self.keys, self.values, causal=True, scaling=scaling)
+        Hkv = self.keys.shape[1]
+        grouped = query.float().reshape(B, Hkv, Hq // Hkv, D)
+        probs = torch.softmax(torch.matmul(grouped, self.keys.float().transpose(-1, -2)).mul_(scaling), dim=-1)
+        self.decode_probs = probs.reshape(B, Hq, -1)
+        return torch.matmul(probs.to(self.values.dtype), self.values).reshape(B, Hq, 1, D)
+
+    def reset(self) -> None:
+        super().reset()
+        self.decode_probs = None
+
+
+def decode_probs_cache(model: torch.nn.Module, method, speculative: bool = False) -> KVMethodCache:
+    """The cache of a method whose layers are :class:`DecodeProbsLayer` s: an :class:`OwnedAttentionCache` (the
+    layers compute attention and keep the probabilities), or, when an attention module of ``model`` has a logit
+    softcap or sinks that the layers' own attention does not apply (:func:`mmaccel.kernels.hf.attention_variants`),
+    a plain :class:`~mmaccel.longctx.base.KVMethodCache` (the model's own attention; the method recomputes the
+    probabilities).
+
+    Raises
+    ------
+    ValueError
+        As :class:`OwnedAttentionCache` / :class:`~mmaccel.longctx.base.KVMethodCache` do; ``speculative=True``
+        (these methods evict while decoding, which a speculative rollback cannot undo).
+    """
+    if speculative:
+        raise ValueError(f"{method.name} evicts during decoding, which the speculative engine's rollback cannot undo; "
+                         "use a prefill-only method (snapkv, pyramidkv, knorm) or 'full'")
+    if any(attention_variants(m) for m in attention_modules(model).values()):
+        return KVMethodCache(model, method)
+    return OwnedAttentionCache(model, method)
+
+
+class DecodeProbsScorer:
+    """Mixin for a :class:`~mmaccel.longctx.base.KVScorer` whose decode-step score is the new token's attention
+    (H2O, TOVA): its layers are :class:`DecodeProbsLayer` s and its cache :func:`decode_probs_cache`; the method reads
+    ``step.layer.decode_probs`` (``None`` when the model's own attention ran: recompute)."""
+
+    def make_layer(self, layer_idx: int) -> DecodeProbsLayer:
+        """A fresh :class:`DecodeProbsLayer` for full-attention layer ``layer_idx``."""
+        return DecodeProbsLayer()
+
+    def make_cache(self, model: torch.nn.Module, *, speculative: bool = False) -> KVMethodCache:
+        """A fresh cache for one ``generate`` run of ``model`` (:func:`decode_probs_cache`; close it, or use
+        ``with``, when done)."""
+        return decode_probs_cache(model, self, speculative)

@@ -10,10 +10,11 @@ import torch
 
 from ..kernels import attention_column_scores
 from .base import KVScorer, LayerStep
+from .owned import DecodeProbsScorer
 
 
 @dataclass
-class TOVA(KVScorer):
+class TOVA(DecodeProbsScorer, KVScorer):
     """TOVA (Oren et al., 2024, arXiv 2401.06104): keep the slots the last query attends to most.
 
     Score of a held slot: the attention probability the last query of this forward gives it, averaged over all query
@@ -37,5 +38,8 @@ class TOVA(KVScorer):
     captures_queries = True  # its decode-step score reads the queries: reuse the module's own projection
 
     def score(self, step: LayerStep) -> torch.Tensor:
-        column = attention_column_scores(step.queries(1), step.keys, causal=True, scaling=step.scaling)  # [B, Hq, S]
+        # [B, Hq, S]: the probabilities of the step's own attention at decode (None: the model's own attention ran)
+        column = getattr(step.layer, "decode_probs", None) if step.query_length == 1 else None
+        if column is None:
+            column = attention_column_scores(step.queries(1), step.keys, causal=True, scaling=step.scaling)
         return column.mean(dim=1, keepdim=True).expand(-1, step.num_kv_heads, -1)
