@@ -55,8 +55,10 @@ class H2O(DecodeProbsScorer, KVScorer):
     attention probability it received from every query so far, averaged over the query heads of its GQA group. The
     prefill adds the column sums of the prompt's causal attention; every decode step adds the new token's attention.
     After the prefill, and after every decode step (``evicts_on_decode``), the layer keeps ``budget`` slots: the
-    ``recent`` most recent ones and the heaviest of the rest. Attention is recomputed from the recaptured queries and
-    held keys (:func:`mmaccel.kernels.attention_column_scores`), so SDPA and flash models work; eager is never needed.
+    ``recent`` most recent ones and the heaviest of the rest. A decode step's layer computes its own attention and
+    keeps the probabilities (:class:`~mmaccel.longctx.owned.DecodeProbsLayer`); the prefill's column sums (and every
+    step on a model with a softcap or sinks, whose own attention runs) are recomputed from the module's query
+    projection and the held keys (:func:`mmaccel.kernels.attention_column_scores`): eager is never needed.
 
     Parameters
     ----------
