@@ -26,12 +26,14 @@ def pages_to_indices(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.where(pages[..., None] < 0, -1, tok).flatten(-2)
 
 
-def gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of whole pages of a cache, per head, in the order given: a copy of only the selected pages.
 
-    The CPU's fast path for a page selection (Quest, Tang et al., 2024, arXiv 2406.10774): one indexed copy of whole
-    pages (``page_size * D`` contiguous values each), then dense attention over the copy, instead of a per-token
-    gather with a mask (:func:`decode_attention`'s reference path, 3-4x slower at 4k).
+    The CPU's fast path for a page selection (Quest, Tang et al., 2024, arXiv 2406.10774): one ``index_select`` of
+    whole pages (``page_size * D`` contiguous values each) per row and head, written straight into ``out``, then
+    dense attention over the copy, instead of a per-token gather with a mask (:func:`decode_attention`'s reference
+    path, 3-4x slower at 4k).
 
     Parameters
     ----------
@@ -42,20 +44,32 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> to
         from their own full pages).
     page_size : int
         Tokens per page, >= 1.
+    out : torch.Tensor, optional
+        [B, H, >= k * page_size, D] contiguous, ``cache``'s dtype: the pages are written to its first
+        ``k * page_size`` rows (the caller may fill the rest, e.g. with a partial newest page).
 
     Returns
     -------
     torch.Tensor
-        [B, H, k * page_size, D], contiguous, in ``cache``'s dtype.
+        [B, H, k * page_size, D] (a view of ``out`` when given, else a new contiguous tensor).
     """
     B, H, S, D = cache.shape
     full = S // page_size
     k = pages.shape[-1]
-    if k == 0 or full == 0:
-        return cache.new_empty(B, H, 0, D)
+    n = k * page_size
+    if out is None:
+        out = cache.new_empty(B, H, n, D)
+    if not (k and full):
+        return out[:, :, :n]
     rows = cache[:, :, :full * page_size].reshape(B * H, full, page_size * D)
-    heads = torch.arange(B * H, device=cache.device)[:, None]
-    return rows[heads, pages.reshape(B * H, k).long()].view(B, H, k * page_size, D)
+    ids = pages.reshape(B * H, k).long()
+    if torch.is_grad_enabled() and cache.requires_grad:  # autograd cannot follow out=: index, then copy
+        out[:, :, :n] = rows[torch.arange(B * H, device=cache.device)[:, None], ids].view(B, H, n, D)
+        return out[:, :, :n]
+    dest = out.view(B * H, out.shape[2] * D)
+    for bh in range(B * H):  # index_select into the destination: no intermediate copy
+        torch.index_select(rows[bh], 0, ids[bh], out=dest[bh, :n * D].view(k, page_size * D))
+    return out[:, :, :n]
 
 
 def _reference(q, k_cache, v_cache, idx, lens, scale) -> torch.Tensor:
