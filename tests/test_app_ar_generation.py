@@ -16,7 +16,6 @@ gradio_client = pytest.importorskip("gradio_client")
 from mmaccel.apps import forms
 from mmaccel.apps.common import AppContext, ModelCache
 from mmaccel.apps.tabs.ar_generation import (
-from app_serving import launch_local
     DEFAULT_PROMPTS,
     ARGenerationTab,
     ar_methods,
@@ -24,6 +23,7 @@ from app_serving import launch_local
     palette_prompt,
     prompt_for_kind,
 )
+from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
