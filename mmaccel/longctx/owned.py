@@ -25,8 +25,13 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
 from ..kernels import attention
-from ..kernels.hf import (attention_modules, attention_variants, check_attention_kwargs, hooked_cache,
-                          refuse_attention_variants)
+from ..kernels.hf import (
+    attention_modules,
+    attention_variants,
+    check_attention_kwargs,
+    hooked_cache,
+    refuse_attention_variants,
+)
 from .base import EvictingLayer, KVMethodCache, has_padding, no_method_layers_error
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import attention, decode_attention, gather_pages
-from .base import (KVMethod, _check_int, _check_ratio, append_slots, bookkeeping_bytes, check_group, kv_cache_bytes,
-                   query_group_scores)
+from .base import (
+    KVMethod,
+    _check_int,
+    _check_ratio,
+    append_slots,
+    bookkeeping_bytes,
+    check_group,
+    kv_cache_bytes,
+    query_group_scores,
+)
 from .owned import AttentionOwningLayer, OwnedAttentionCache
 
 
