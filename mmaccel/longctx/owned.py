@@ -246,7 +246,7 @@ class DecodeProbsLayer(EvictingLayer, AttentionOwningLayer):
     the output is computed from are the scores, so the step reads the keys once (one matmul, one fp32 softmax, one
     matmul) instead of running the model's attention and then recomputing the query's projection, RoPE and
     probabilities. A forward of more than one token (the prefill) runs :func:`mmaccel.kernels.attention` (causal)
-    and keeps no probabilities. Used through :func:`decode_probs_cache`; under a plain
+    and keeps no probabilities. Used through :class:`DecodeProbsScorer`; under a plain
     :class:`~mmaccel.longctx.base.KVMethodCache` (a model with a softcap or sinks) the model's own attention runs
     and ``attend`` is never called.
 
@@ -285,30 +285,9 @@ class DecodeProbsLayer(EvictingLayer, AttentionOwningLayer):
         self.decode_probs = None
 
 
-def decode_probs_cache(model: torch.nn.Module, method, speculative: bool = False) -> KVMethodCache:
-    """The cache of a method whose layers are :class:`DecodeProbsLayer` s: an :class:`OwnedAttentionCache` (the
-    layers compute attention and keep the probabilities), or, when an attention module of ``model`` has a logit
-    softcap or sinks that the layers' own attention does not apply (:func:`mmaccel.kernels.hf.attention_variants`),
-    a plain :class:`~mmaccel.longctx.base.KVMethodCache` (the model's own attention; the method recomputes the
-    probabilities).
-
-    Raises
-    ------
-    ValueError
-        As :class:`OwnedAttentionCache` / :class:`~mmaccel.longctx.base.KVMethodCache` do; ``speculative=True``
-        (these methods evict while decoding, which a speculative rollback cannot undo).
-    """
-    if speculative:
-        raise ValueError(f"{method.name} evicts during decoding, which the speculative engine's rollback cannot undo; "
-                         "use a prefill-only method (snapkv, pyramidkv, knorm) or 'full'")
-    if any(attention_variants(m) for m in attention_modules(model).values()):
-        return KVMethodCache(model, method)
-    return OwnedAttentionCache(model, method)
-
-
 class DecodeProbsScorer:
     """Mixin for a :class:`~mmaccel.longctx.base.KVScorer` whose decode-step score is the new token's attention
-    (H2O, TOVA): its layers are :class:`DecodeProbsLayer` s and its cache :func:`decode_probs_cache`; the method reads
+    (H2O, TOVA): its layers are :class:`DecodeProbsLayer` s (list it before the scorer base); the method reads
     ``step.layer.decode_probs`` (``None`` when the model's own attention ran: recompute)."""
 
     def make_layer(self, layer_idx: int) -> DecodeProbsLayer:
@@ -316,6 +295,18 @@ class DecodeProbsScorer:
         return DecodeProbsLayer()
 
     def make_cache(self, model: torch.nn.Module, *, speculative: bool = False) -> KVMethodCache:
-        """A fresh cache for one ``generate`` run of ``model`` (:func:`decode_probs_cache`; close it, or use
-        ``with``, when done)."""
-        return decode_probs_cache(model, self, speculative)
+        """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done): an
+        :class:`OwnedAttentionCache` (the layers compute attention and keep the probabilities), or the method's
+        plain cache when an attention module of ``model`` has a logit softcap or sinks that the layers' own
+        attention does not apply (:func:`mmaccel.kernels.hf.attention_variants`: the model's own attention runs
+        and the method recomputes the probabilities), and for ``speculative=True`` (which the plain cache refuses
+        for methods that evict while decoding).
+
+        Raises
+        ------
+        ValueError
+            As :class:`OwnedAttentionCache` and the method's own ``make_cache`` do.
+        """
+        if speculative or any(attention_variants(m) for m in attention_modules(model).values()):
+            return super().make_cache(model, speculative=speculative)
+        return OwnedAttentionCache(model, self)
