@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.packed_linear import PackedLinears
 from ..data.code_prompts import CODE_PROMPT_SETS, FUNCTIONS, code_prompts
 from ..data.prompts import COPY_TASKS, FREE_PROMPTS, add_typos
+from ..kernels.packed_linear import PackedLinears
 from ..pipeline import check_temperature, resolve_methods
 from ..speculative import draft_holders, share_draft_models
 from .generation import RunRecord, generate_measured, load_average
@@ -373,9 +373,11 @@ def _measure(model, tokenizer, resolved, sets, *, n_prompts, max_new_tokens, rep
     config = {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "temperature": temperature,
               "n_prompts": n_prompts, "prompt_sets": sets, "chat_template": chat_template, "seed": seed,
               "packed_linear": packed_linear, "methods": [label for _, label in resolved]}
-    # every method on one prompt, the baseline first (the others' identity check refers to it)
+    # every method on one prompt, the baseline first (the others' identity check refers to it); the sets take
+    # turns prompt by prompt, so an interrupted run holds as many prompts of each set
+    order = [(s, p) for i in range(n_prompts) for s in sets for p in prompt_sets[s][i:i + 1]]
     cells = [SweepCell(label, sample=f"{s}/{p.prompt_id}", fields={"prompt_set": s, "prompt_id": p.prompt_id},
-                       payload=(obj, p)) for s in sets for p in prompt_sets[s] for obj, label in resolved]
+                       payload=(obj, p)) for s, p in order for obj, label in resolved]
     baselines = {(r["extra"]["prompt_set"], r["extra"]["prompt_id"]): r["output_ids"]
                  for r in (finished_records(out_dir) if resume and out_dir else {}).values()
                  if r.get("method") == base_label and r.get("status") == "ok"}
