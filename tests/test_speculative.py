@@ -196,9 +196,35 @@ def test_prompt_lookup_draft_length_follows_the_verification_cost(tiny):
     target, _ = tiny
     costs = measure_verify_costs(target, max_draft=3, context=8, repeats=1, clock="cpu")
     assert len(costs) == 3 and all(c > 0 for c in costs)
+    sparse = measure_verify_costs(target, max_draft=6, context=8, repeats=1, sparse=True)  # 1, 2, 4, 6 measured
+    assert len(sparse) == 6 and sparse[2] == pytest.approx((sparse[1] + sparse[3]) / 2, abs=1e-3)
+    assert sparse[4] == pytest.approx((sparse[3] + sparse[5]) / 2, abs=1e-3)
     PromptLookup(verify_costs=costs)  # a measured table is accepted as is
     with pytest.raises(ValueError, match="need max_draft, context, repeats >= 1"):
         measure_verify_costs(target, max_draft=0)
+
+
+def test_prompt_lookup_auto_costs_are_measured_once_per_model_and_stay_exact(tiny):
+    """``verify_costs="auto"``: the first generation measures the target's table (32 entries, its seconds in the
+    telemetry), the next reuses it; the output equals plain greedy decoding both times."""
+    from mmaccel.speculative import build_speculative_method
+    from mmaccel.speculative.schedule import cached_verify_costs
+
+    target, _ = tiny
+    ids = torch.randint(3, 40, (1, 48), generator=torch.Generator().manual_seed(2))
+    ref = _plain(target, ids, eos_token_id=None)
+    method = build_speculative_method("prompt_lookup:verify_costs=auto")
+    assert method.drafter.auto_costs and method.drafter.costs is None
+    seconds = []
+    for _ in range(2):
+        out = speculative_generate(target, ids, method.drafter, max_new_tokens=MAX_NEW, num_draft_tokens=16,
+                                   eos_token_id=None)
+        assert torch.equal(out.sequences, ref)
+        tele = out.drafter_telemetry
+        assert len(tele["verify_costs"]) == 32 and all(c > 0 for c in tele["verify_costs"])
+        seconds.append(tele["verify_costs_s"])
+    assert seconds[0] > 0 and seconds[1] == 0
+    assert cached_verify_costs(target)[0] is method.drafter.costs
 
 
 def test_prompt_lookup_bad_arguments():

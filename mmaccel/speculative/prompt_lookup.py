@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from .base import Draft, Drafter
-from .schedule import parse_costs
+from .schedule import cached_verify_costs, parse_costs
 
 
 @dataclass
@@ -77,7 +77,12 @@ class PromptLookup(Drafter):
         Measured costs of verifying ``1, 2, ..., n`` draft tokens (a forward of ``k + 1`` tokens over a one-token
         forward), e.g. ``"1.03,1.19,1.67"`` or :func:`mmaccel.speculative.schedule.measure_verify_costs`; replaces
         the linear ``verify_cost`` and caps the draft at ``n`` tokens. On CPUs the curve is not linear (matrix
-        kernels change with the token count), so a measured table picks better lengths.
+        kernels change with the token count), so a measured table picks better lengths. ``"auto"``: measured on
+        the target at the first generation (:func:`~mmaccel.speculative.schedule.cached_verify_costs`: drafts of 1,
+        2, 4, ..., 32 tokens interpolated to 32 entries, a 256-token random context, wall clock, the median of 3;
+        once per model object, so a warm-up run pays it;
+        the seconds are in the telemetry as ``verify_costs_s``). It measures the model as it is then (packed
+        linears, dtype, threads) and reads no prompt.
 
     Raises
     ------
@@ -100,7 +105,9 @@ class PromptLookup(Drafter):
         if not prior_weight > 0 or not 0 < decay <= 1:
             raise ValueError(f"prompt lookup: prior_weight must be > 0 and decay in (0, 1], got {prior_weight!r}, "
                              f"{decay!r}")
-        self.costs = parse_costs(verify_costs) if verify_costs is not None else None
+        self.auto_costs = isinstance(verify_costs, str) and verify_costs.strip().lower() == "auto"
+        self.costs = parse_costs(verify_costs) if verify_costs is not None and not self.auto_costs else None
+        self._costs_s = 0.0
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.verify_cost, self.extend = float(verify_cost), bool(extend)
         self.prior_weight, self.decay = float(prior_weight), float(decay)
@@ -203,7 +210,10 @@ class PromptLookup(Drafter):
 
     # ------------------------------------------------------------------------------------------- drafter
     def begin(self, target, input_ids, attention_mask, sampler) -> None:
-        """Forget the acceptance statistics and counters of a previous generation."""
+        """Forget the acceptance statistics and counters of a previous generation (with ``verify_costs="auto"``,
+        first measure the target's cost table if this model object has none yet)."""
+        if self.auto_costs and target is not None:
+            self.costs, self._costs_s = cached_verify_costs(target)
         self._stats: dict[int, tuple] = {}
         self._overall = (0.0, 0.0)
         self._pending: list = []
@@ -239,4 +249,5 @@ class PromptLookup(Drafter):
     def end(self) -> dict:
         """Report row-steps with and without a match, steps that drafted, and matched steps held back (k = 0)."""
         return {"lookup_hits": self._hits, "lookup_misses": self._misses, "drafted_steps": self._drafted,
-                "held_back_steps": self._held_back}
+                "held_back_steps": self._held_back,
+                **({"verify_costs": self.costs, "verify_costs_s": round(self._costs_s, 3)} if self.auto_costs else {})}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -196,7 +197,7 @@ def parse_costs(costs) -> list[float]:
 
 @torch.inference_mode()
 def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repeats: int = 5,
-                         clock: str = "wall") -> list[float]:
+                         clock: str = "wall", sparse: bool = False) -> list[float]:
     """Measure what verifying ``k`` draft tokens costs on this machine: the time of one target forward of ``k + 1``
     tokens over a cached context, over the time of a one-token forward (the ``cost(k)`` of Leviathan et al., 2023,
     arXiv 2211.17192, Sec. 3.5, measured instead of assumed linear).
@@ -213,6 +214,9 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
         Interleaved rounds over all lengths; the median per length is kept, ``>= 1``.
     clock : {"wall", "cpu"}
         ``"cpu"`` (process time) is steadier on a shared machine with one thread; ``"wall"`` is what a user waits.
+    sparse : bool
+        Measure only drafts of 1, 2, 4, 8, ... and ``max_draft`` tokens and interpolate linearly in between (about
+        ``log2(max_draft)`` forwards per round instead of ``max_draft``).
 
     Returns
     -------
@@ -237,7 +241,9 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), **cache_kwarg(model, cache),
           use_cache=True)
-    times: dict[int, list] = {n: [] for n in range(1, max_draft + 2)}
+    drafts = sorted({2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft} | {max_draft}) \
+        if sparse else list(range(1, max_draft + 1))
+    times: dict[int, list] = {n: [] for n in [1] + [k + 1 for k in drafts]}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for n, spent in times.items():
             ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
@@ -251,4 +257,34 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
             spent.append(now() - t0)
             cache.crop(-n)
     base = statistics.median(times[1][1:])
-    return [round(statistics.median(times[n][1:]) / base, 3) for n in range(2, max_draft + 2)]
+    measured = {k: statistics.median(times[k + 1][1:]) / base for k in drafts}
+    table = []
+    for k in range(1, max_draft + 1):
+        lo = max(d for d in drafts if d <= k)
+        hi = min(d for d in drafts if d >= k)
+        w = 0.0 if hi == lo else (k - lo) / (hi - lo)
+        table.append(round((1 - w) * measured[lo] + w * measured[hi], 3))
+    return table
+
+
+_MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_verify_costs(model, *, max_draft: int = 32, context: int = 256, repeats: int = 3) -> tuple[list, float]:
+    """:func:`measure_verify_costs` of ``model`` (wall clock, ``sparse``: drafts of 1, 2, 4, ..., 32 tokens,
+    interpolated), measured once per model object and kept while it lives: ``(table, seconds the measurement
+    took)``; a table already held returns with ``0.0`` seconds.
+
+    Raises
+    ------
+    ValueError
+        For arguments out of range (:func:`measure_verify_costs`).
+    """
+    key = (max_draft, context, repeats)
+    held = _MEASURED_COSTS.setdefault(model, {})
+    if key in held:
+        return held[key], 0.0
+    start = time.perf_counter()
+    held[key] = measure_verify_costs(model, max_draft=max_draft, context=context, repeats=repeats, clock="wall",
+                                     sparse=True)
+    return held[key], time.perf_counter() - start
