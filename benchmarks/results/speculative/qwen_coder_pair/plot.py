@@ -6,6 +6,7 @@ median over prompts.
     python benchmarks/results/speculative/qwen_coder_pair/plot.py benchmarks/results/speculative/qwen_coder_pair/run
 """
 import collections
+import gzip
 import json
 import statistics
 import sys
@@ -17,7 +18,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 run = Path(sys.argv[1])
-recs = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+raw = run / "results.jsonl"
+text = raw.read_text() if raw.exists() else gzip.decompress((run / "results.jsonl.gz").read_bytes()).decode()
+recs = [json.loads(line) for line in text.splitlines()]
 per = collections.defaultdict(dict)  # (set, prompt) -> method -> seconds
 for r in recs:
     if r["status"] == "ok":
