@@ -55,6 +55,7 @@ def test_a_short_training_run_moves_the_gates_and_leaves_the_model_as_it_was():
     pattern = find_retrieval_heads_by_gates(model, tokenizer, lengths=(96,), steps=3, window=8, supervise=8,
                                             fraction=0.5, haystack=HaystackTokens(tokenizer, text=PROSE))
     assert len(pattern.found_by["distill_loss"]) == 3 and pattern.found_by["finder"].startswith("optimization")
+    assert pattern.found_by["haystacks"] == ["custom text"]
     flat = [a for row in pattern.scores for a in row]
     assert all(0 <= a <= 1 for a in flat) and min(flat) < 1  # the L1 term moved them
     assert len(pattern.retrieval_heads) == 2 and pattern.check_model(model.config) == []

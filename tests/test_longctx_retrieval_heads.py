@@ -336,8 +336,48 @@ def test_finder_on_micro_lm_finds_the_layer_1_retrieval_head(micro_tokenizer, ha
     pattern = find_retrieval_heads(model, micro_tokenizer, lengths=(384,), depths=(0.5,), samples=1, copy_length=32,
                                    copy_samples=1, fraction=0.125, model_name="micro-lm", haystack=hay)
     assert pattern.retrieval_heads == [(1, 0)]
+    assert pattern.found_by["haystacks"] == ["custom text"]
     assert pattern.num_layers == 4 and pattern.num_kv_heads == 2 and pattern.check_model(model.config) == []
     assert math.isclose(pattern.scores[1][0], 0.5 * pattern.found_by["needle_scores"][1][0]
                         + 0.5 * pattern.found_by["copy_scores"][1][0], rel_tol=1e-4)
     with pytest.raises(ValueError, match="copy_weight and fraction"):
         find_retrieval_heads(model, micro_tokenizer, fraction=2.0)
+
+
+def test_finder_takes_the_haystacks_of_a_mix_in_turn_and_records_them(micro_tokenizer, hay):
+    """Two sources, two samples per depth: sample 0 reads the first, sample 1 the second; the needle scores are
+    the mean over both, the names are in the record."""
+    from mmaccel.data.haystack import HaystackTokens
+    from mmaccel.longctx.head_finder import needle_scores
+
+    model = LlamaForCausalLM.from_pretrained(MICRO_LM).eval()
+    other = HaystackTokens(micro_tokenizer, text="Blue lanterns hang over the quiet harbour at night. " * 30,
+                           name="lanterns")
+    pattern = find_retrieval_heads(model, micro_tokenizer, lengths=(256,), depths=(0.5,), samples=2, copy_samples=0,
+                                   copy_weight=0.0, fraction=0.25, haystack=[hay, other])
+    assert pattern.found_by["haystacks"] == ["custom text", "lanterns"]
+    expected = (needle_scores(model, micro_tokenizer, length=256, depth=0.5, seed=0, haystack=hay)
+                + needle_scores(model, micro_tokenizer, length=256, depth=0.5, seed=1, haystack=other)) / 2
+    torch.testing.assert_close(torch.tensor(pattern.found_by["needle_scores"]), expected, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        find_retrieval_heads(model, micro_tokenizer, haystack=[])
+
+
+def test_calibration_mix_excludes_the_evaluation_haystacks(micro_tokenizer):
+    """The fitting mix is the docstrings' train split and random-word sentences: seeded, digit-free, and sharing no
+    paragraph with the eval split that NIAH and RULER's essay haystack use."""
+    from mmaccel.data.haystack import (
+        CALIBRATION_SOURCES,
+        calibration_haystacks,
+        stdlib_paragraphs,
+        word_haystack_text,
+    )
+
+    words = word_haystack_text(500, seed=1)
+    assert words == word_haystack_text(500, seed=1) != word_haystack_text(500, seed=2)
+    assert len(words.split()) == 500 and not any(c.isdigit() for c in words) and words.endswith(".")
+    assert set(stdlib_paragraphs("train")).isdisjoint(stdlib_paragraphs("eval"))
+    mix = calibration_haystacks(micro_tokenizer)
+    assert [h.name for h in mix] == list(CALIBRATION_SOURCES) and all(len(h.ids) > 10_000 for h in mix)
+    with pytest.raises(ValueError, match="n_words must be >= 1"):
+        word_haystack_text(0)

@@ -25,18 +25,21 @@ from pathlib import Path
 
 __all__ = [
     "ANSWER_PREFIX_TEMPLATE",
+    "CALIBRATION_SOURCES",
     "CHAT_INSTRUCTION",
     "CHAT_QUESTION_TEMPLATE",
-    "NEEDLE_TEMPLATE",
-    "QUESTION_TEMPLATE",
     "HAYSTACK_CHARS_PER_TOKEN",
     "MAX_HAYSTACK_BYTES",
+    "NEEDLE_TEMPLATE",
+    "QUESTION_TEMPLATE",
     "HaystackTokens",
     "NIAHLengthError",
     "NIAHSample",
     "Needle",
+    "calibration_haystacks",
     "chat_wrapper_ids",
     "check_haystack_file",
+    "haystack_mix",
     "is_memorable_number",
     "make_niah_sample",
     "min_niah_length",
@@ -47,6 +50,7 @@ __all__ = [
     "score_answer",
     "score_answer_contains",
     "stdlib_paragraphs",
+    "word_haystack_text",
 ]
 
 NEEDLE_TEMPLATE = "The secret number of the {key} is {value}."
@@ -322,6 +326,9 @@ class HaystackTokens:
     tokenizer : a Hugging Face tokenizer
     text : str, optional
         The haystack. Default: the held-out split of the standard-library docstrings, joined with spaces.
+    name : str, optional
+        What the text is, kept in the records of anything fitted on it (``.name``; default
+        ``"stdlib docstrings, eval split"`` for the default text, else ``"custom text"``).
 
     Raises
     ------
@@ -329,7 +336,8 @@ class HaystackTokens:
         If the text is empty.
     """
 
-    def __init__(self, tokenizer, text: str | None = None):
+    def __init__(self, tokenizer, text: str | None = None, *, name: str | None = None):
+        self.name = name or ("stdlib docstrings, eval split" if text is None else "custom text")
         if text is None:
             text = " ".join(stdlib_paragraphs("eval"))
         if not text.strip():
@@ -340,7 +348,7 @@ class HaystackTokens:
 
     @classmethod
     def from_file(cls, tokenizer, path, min_tokens: int | None = None, *,
-                  max_bytes: int = MAX_HAYSTACK_BYTES) -> "HaystackTokens":
+                  max_bytes: int = MAX_HAYSTACK_BYTES) -> HaystackTokens:
         """The haystack of a UTF-8 text file, reading and tokenizing only as much of it as a prompt needs.
 
         Parameters
@@ -361,11 +369,11 @@ class HaystackTokens:
             As :func:`read_haystack_text`; ``ValueError`` also if the text is empty.
         """
         if min_tokens is None:
-            return cls(tokenizer, read_haystack_text(path, max_bytes=max_bytes))
+            return cls(tokenizer, read_haystack_text(path, max_bytes=max_bytes), name=f"file {Path(path).name}")
         chars = max(1, int(min_tokens)) * HAYSTACK_CHARS_PER_TOKEN
         while True:
             text = read_haystack_text(path, chars, max_bytes=max_bytes)
-            hay = cls(tokenizer, text)
+            hay = cls(tokenizer, text, name=f"file {Path(path).name}")
             if len(hay.ids) > min_tokens or len(text) < chars:
                 return hay
             chars *= 2
@@ -460,7 +468,7 @@ def chat_wrapper_ids(tokenizer) -> tuple[list[int], list[int]]:
     before, sep, after = text.partition(_SLOT)
     if not sep:
         raise ValueError("the chat template does not render the user message verbatim; use --chat-template off")
-    encode = lambda t: tokenizer.encode(t, add_special_tokens=False) if t else []  # noqa: E731
+    encode = lambda t: tokenizer.encode(t, add_special_tokens=False) if t else []
     return encode(before), encode(after)
 
 
@@ -653,6 +661,63 @@ def _default_haystack(tokenizer) -> HaystackTokens:
     if key not in _HAYSTACK_CACHE:
         _HAYSTACK_CACHE[key] = HaystackTokens(tokenizer)
     return _HAYSTACK_CACHE[key]
+
+
+def word_haystack_text(n_words: int = 60_000, seed: int = 0) -> str:
+    """Seeded sentences of random dictionary words (``wonderwords``' nouns, adjectives and verbs, 6-14 words each,
+    capitalised and ending in a period): a haystack with no syntax, no digits and no prose the models were fitted
+    on.
+
+    Raises
+    ------
+    ValueError
+        If ``n_words < 1``.
+    """
+    from .ruler import word_list  # ruler builds on this module
+
+    if n_words < 1:
+        raise ValueError(f"n_words must be >= 1, got {n_words}")
+    rng, words, out = random.Random(f"word-haystack:{seed}"), word_list(), []
+    while n_words > 0:
+        k = min(n_words, rng.randint(6, 14))
+        sentence = [rng.choice(words) for _ in range(k)]
+        out.append(" ".join(sentence).capitalize() + ".")
+        n_words -= k
+    return " ".join(out)
+
+
+CALIBRATION_SOURCES = ("stdlib docstrings, train split", "random dictionary words")
+"""The haystacks everything fitted on data is fitted on (:func:`calibration_haystacks`): neither is a haystack the
+evaluations use by default (the eval split of the docstrings; RULER's essay, noise and needle haystacks)."""
+
+
+def calibration_haystacks(tokenizer) -> list[HaystackTokens]:
+    """The fitting mix of :data:`CALIBRATION_SOURCES` for ``tokenizer``, in that order: the training split of the
+    standard-library docstrings and seeded sentences of random words (:func:`word_haystack_text`).
+
+    The head finders (:func:`mmaccel.longctx.head_finder.find_retrieval_heads`,
+    :func:`mmaccel.longctx.duo_gates.find_retrieval_heads_by_gates`) draw their documents from these in turn, so a
+    pattern is validated on sources it never saw: the eval split (the default NIAH haystack) and RULER's haystacks.
+    """
+    return [HaystackTokens(tokenizer, " ".join(stdlib_paragraphs("train")), name=CALIBRATION_SOURCES[0]),
+            HaystackTokens(tokenizer, word_haystack_text(), name=CALIBRATION_SOURCES[1])]
+
+
+def haystack_mix(tokenizer, haystack) -> list[HaystackTokens]:
+    """``haystack`` as a non-empty list: ``None`` is :func:`calibration_haystacks`, one :class:`HaystackTokens` a
+    list of one, a sequence kept as given.
+
+    Raises
+    ------
+    ValueError
+        If the sequence is empty.
+    """
+    if haystack is None:
+        return calibration_haystacks(tokenizer)
+    mix = [haystack] if isinstance(haystack, HaystackTokens) else list(haystack)
+    if not mix:
+        raise ValueError("haystack: pass a HaystackTokens, a non-empty sequence of them, or None for the mix")
+    return mix
 
 
 def score_answer(generated: str, answer: str) -> bool:

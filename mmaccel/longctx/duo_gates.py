@@ -161,7 +161,10 @@ def find_retrieval_heads_by_gates(
         Fraction of (layer, KV head) pairs made retrieval heads, in [0, 1].
     seed : int
     model_name : str
-    haystack : mmaccel.data.haystack.HaystackTokens, optional
+    haystack : HaystackTokens or sequence of them, optional
+        Filler text, taken in turn step by step (default: the fitting mix of
+        :func:`mmaccel.data.haystack.calibration_haystacks`, which excludes the default NIAH haystack). Their names
+        are kept in ``found_by["haystacks"]``.
 
     Returns
     -------
@@ -176,13 +179,14 @@ def find_retrieval_heads_by_gates(
     """
     import random
 
-    from ..data.haystack import make_niah_sample
+    from ..data.haystack import haystack_mix, make_niah_sample
 
     if steps < 1 or supervise < 1 or not lengths or not 0 <= fraction <= 1 or lr <= 0 or reg < 0:
         raise ValueError("find_retrieval_heads_by_gates needs steps >= 1, supervise >= 1, lengths, lr > 0, reg >= 0 "
                          "and fraction in [0, 1]")
     modules = attention_modules(model)
     fp = config_fingerprint(model.config)
+    mix = haystack_mix(tokenizer, haystack)
     alphas = torch.ones(len(modules), fp["num_key_value_heads"], device=model.device, requires_grad=True)
     optim = torch.optim.Adam([alphas], lr=lr)
     flags = [p.requires_grad for p in model.parameters()]
@@ -196,7 +200,7 @@ def find_retrieval_heads_by_gates(
             p.requires_grad_(False)
         for step in range(steps):
             sample = make_niah_sample(tokenizer, lengths[step % len(lengths)], rng.uniform(0.05, 0.95),
-                                      seed=seed * 100_003 + step, haystack=haystack)
+                                      seed=seed * 100_003 + step, haystack=mix[step % len(mix)])
             answer = tokenizer.encode(" " + sample.answer, add_special_tokens=False)
             ids = torch.tensor([sample.input_ids + answer], device=model.device)
             with torch.no_grad():
@@ -223,6 +227,7 @@ def find_retrieval_heads_by_gates(
         model=model_name or str(getattr(model.config, "name_or_path", "") or ""),
         found_by={"finder": "optimization (DuoAttention gates)", "lengths": list(lengths), "steps": steps, "lr": lr,
                   "reg": reg, "sink": sink, "window": window, "supervise": supervise, "seed": seed,
+                  "haystacks": [h.name for h in mix[:steps]],
                   "distill_loss": losses},
     )
     found = pattern.with_fraction(fraction)

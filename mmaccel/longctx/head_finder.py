@@ -187,8 +187,10 @@ def find_retrieval_heads(
         Fraction of (layer, KV head) pairs made retrieval heads, in [0, 1].
     model_name : str
         Label stored in the pattern (default: ``config.name_or_path``).
-    haystack : mmaccel.data.haystack.HaystackTokens, optional
-        Filler text of the passkey documents (default: the held-out prose).
+    haystack : HaystackTokens or sequence of them, optional
+        Filler text of the passkey documents, taken in turn document by document (default: the fitting mix of
+        :func:`mmaccel.data.haystack.calibration_haystacks`, which excludes the default NIAH haystack, so that the
+        pattern can be validated on text it never saw). Their names are kept in ``found_by["haystacks"]``.
 
     Returns
     -------
@@ -207,12 +209,16 @@ def find_retrieval_heads(
         raise ValueError(f"copy_weight and fraction must be in [0, 1], got {copy_weight}, {fraction}")
     if copy_weight > 0 and copy_samples == 0:
         raise ValueError("copy_weight > 0 needs copy_samples >= 1")
+    from ..data.haystack import haystack_mix
+
+    mix = haystack_mix(tokenizer, haystack)
+    docs = [(n, d, s) for n in lengths for d in depths for s in range(samples)]
     was_training = model.training
     model.eval()
     try:
         needle = torch.stack([
-            needle_scores(model, tokenizer, length=n, depth=d, seed=s, haystack=haystack)
-            for n in lengths for d in depths for s in range(samples)
+            needle_scores(model, tokenizer, length=n, depth=d, seed=s, haystack=mix[j % len(mix)])
+            for j, (n, d, s) in enumerate(docs)
         ]).mean(0)
         copy = (torch.stack([copy_scores(model, tokenizer, length=copy_length, seed=s) for s in range(copy_samples)])
                 .mean(0) if copy_samples else torch.zeros_like(needle))
@@ -227,7 +233,8 @@ def find_retrieval_heads(
         retrieval_heads=[], fingerprint=fp,
         model=model_name or str(getattr(model.config, "name_or_path", "") or ""),
         found_by={"finder": "training-free (needle attention + copy/induction)", "lengths": list(lengths),
-                  "depths": list(depths), "samples": samples, "copy_length": copy_length,
+                  "depths": list(depths), "samples": samples,
+                  "haystacks": [h.name for h in mix[:len(docs)]], "copy_length": copy_length,
                   "copy_samples": copy_samples, "copy_weight": copy_weight,
                   "needle_scores": [[round(float(v), 6) for v in row] for row in needle],
                   "copy_scores": [[round(float(v), 6) for v in row] for row in copy]},
