@@ -23,6 +23,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .words import word_list
+
 __all__ = [
     "ANSWER_PREFIX_TEMPLATE",
     "CALIBRATION_SOURCES",
@@ -673,8 +675,6 @@ def word_haystack_text(n_words: int = 60_000, seed: int = 0) -> str:
     ValueError
         If ``n_words < 1``.
     """
-    from .ruler import word_list  # ruler builds on this module
-
     if n_words < 1:
         raise ValueError(f"n_words must be >= 1, got {n_words}")
     rng, words, out = random.Random(f"word-haystack:{seed}"), word_list(), []

@@ -48,9 +48,7 @@ same sample.
 """
 from __future__ import annotations
 
-import functools
 import json
-import math
 import random
 import re
 import string
@@ -60,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .haystack import chat_wrapper_ids, stdlib_paragraphs
+from .words import word_list
 
 __all__ = [
     "NOISE",
@@ -168,23 +167,6 @@ def resolve_tasks(names: Sequence[str], *, qa_available: bool = False) -> list[s
         else:
             raise ValueError(f"unknown RULER task {name!r}; choose from all, niah, {', '.join(TASKS)}")
     return list(dict.fromkeys(out))
-
-
-# ------------------------------------------------------------------------------------------------------ words
-@functools.lru_cache(maxsize=None)
-def word_list(*categories: str) -> tuple[str, ...]:
-    """Sorted lowercase alphabetic words of ``wonderwords``' default lists (``"noun"``, ``"adjective"``, ``"verb"``).
-
-    Raises
-    ------
-    ModuleNotFoundError
-        If ``wonderwords`` is not installed (a main dependency of mmaccel).
-    """
-    from wonderwords import RandomWord
-
-    words = RandomWord().filter(include_categories=list(categories or ("noun", "adjective", "verb")),
-                                exclude_with_spaces=True)
-    return tuple(sorted({w for w in words if w.isalpha() and w.islower() and w.isascii()}))
 
 
 def _random_value(rng: random.Random, kind: str) -> str:
