@@ -367,7 +367,7 @@ def test_calibration_mix_excludes_the_evaluation_haystacks(micro_tokenizer, monk
     """The fitting mix is the docstrings' train split and random-word sentences (seeded, digit-free); the eval split
     that NIAH and RULER's essay haystack use is never read (the split is stubbed here: the real one is 1 MB to
     tokenize)."""
-    import mmaccel.data.haystack as haystack
+    from mmaccel.data import haystack
     from mmaccel.data.haystack import CALIBRATION_SOURCES, calibration_haystacks, haystack_mix, word_haystack_text
 
     words = word_haystack_text(500, seed=1)
@@ -375,8 +375,10 @@ def test_calibration_mix_excludes_the_evaluation_haystacks(micro_tokenizer, monk
     assert len(words.split()) == 500 and not any(c.isdigit() for c in words) and words.endswith(".")
     asked = []
     monkeypatch.setattr(haystack, "stdlib_paragraphs", lambda split: asked.append(split) or ("Paragraph.",) * 3)
+    monkeypatch.setattr(haystack, "_HAYSTACK_CACHE", {})  # the stubbed text stays out of the process's cache
     mix = calibration_haystacks(micro_tokenizer)
     assert asked == ["train"] and [h.name for h in mix] == list(CALIBRATION_SOURCES)
+    assert calibration_haystacks(micro_tokenizer) == mix and asked == ["train"]  # tokenized once per tokenizer
     assert len(mix[1].ids) > 10_000 and micro_tokenizer.decode(mix[0].ids).count("Paragraph.") == 3
     assert [h.name for h in haystack_mix(micro_tokenizer, None)] == list(CALIBRATION_SOURCES)
     with pytest.raises(ValueError, match="n_words must be >= 1"):

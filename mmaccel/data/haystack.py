@@ -658,11 +658,17 @@ def min_niah_length(tokenizer, depths=(0.5,), seeds=(0,), *, start: int = 1, nee
 _HAYSTACK_CACHE: dict[tuple, HaystackTokens] = {}
 
 
-def _default_haystack(tokenizer) -> HaystackTokens:
-    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), type(tokenizer).__name__)
+def _cached_haystack(tokenizer, name: str | None = None, text=None) -> HaystackTokens:
+    """The :class:`HaystackTokens` of a built-in text, tokenized once per tokenizer and name (``text``: a callable
+    giving the text; ``None``: the default haystack)."""
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), type(tokenizer).__name__, name)
     if key not in _HAYSTACK_CACHE:
-        _HAYSTACK_CACHE[key] = HaystackTokens(tokenizer)
+        _HAYSTACK_CACHE[key] = HaystackTokens(tokenizer, None if text is None else text(), name=name)
     return _HAYSTACK_CACHE[key]
+
+
+def _default_haystack(tokenizer) -> HaystackTokens:
+    return _cached_haystack(tokenizer)
 
 
 def word_haystack_text(n_words: int = 60_000, seed: int = 0) -> str:
@@ -693,14 +699,15 @@ evaluations use by default (the eval split of the docstrings; RULER's essay, noi
 
 def calibration_haystacks(tokenizer) -> list[HaystackTokens]:
     """The fitting mix of :data:`CALIBRATION_SOURCES` for ``tokenizer``, in that order: the training split of the
-    standard-library docstrings and seeded sentences of random words (:func:`word_haystack_text`).
+    standard-library docstrings and seeded sentences of random words (:func:`word_haystack_text`), each tokenized
+    once per tokenizer in a process.
 
     The head finders (:func:`mmaccel.longctx.head_finder.find_retrieval_heads`,
     :func:`mmaccel.longctx.duo_gates.find_retrieval_heads_by_gates`) draw their documents from these in turn, so a
     pattern is validated on sources it never saw: the eval split (the default NIAH haystack) and RULER's haystacks.
     """
-    return [HaystackTokens(tokenizer, " ".join(stdlib_paragraphs("train")), name=CALIBRATION_SOURCES[0]),
-            HaystackTokens(tokenizer, word_haystack_text(), name=CALIBRATION_SOURCES[1])]
+    return [_cached_haystack(tokenizer, CALIBRATION_SOURCES[0], lambda: " ".join(stdlib_paragraphs("train"))),
+            _cached_haystack(tokenizer, CALIBRATION_SOURCES[1], word_haystack_text)]
 
 
 def haystack_mix(tokenizer, haystack) -> list[HaystackTokens]:
