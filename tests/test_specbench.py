@@ -259,6 +259,24 @@ def test_code_prompt_sets_through_spec_bench(micro):
         prompt_set_names("cod")
 
 
+def test_int8_draft_and_assistant_share_one_quantized_copy(micro, tmp_path):
+    """draft:quantize=int8 and hf_assisted:quantize=int8 get one int8 copy of the one shared draft, plain draft
+    keeps the float one; both int8 rows token-identical to greedy (transformers runs the int8 assistant)."""
+    from mmaccel.pipeline import resolve_methods
+    from mmaccel.speculative import share_draft_models
+
+    model, tok = micro
+    specs = ["draft:quantize=int8", "hf_assisted:quantize=int8:schedule=constant", "draft"]
+    resolved = resolve_methods(specs, draft="micro-draft")
+    shared = share_draft_models([obj for obj, _ in resolved], model)["micro-draft"][0]
+    q = resolved[0][0].drafter.model
+    assert q is resolved[1][0].model and q is not shared and resolved[2][0].drafter.model is shared
+    res = run_spec_bench(model, tok, specs[:2], prompts=["code-edit"], n_prompts=1, max_new_tokens=6, repeats=1,
+                         warmup=0, draft="micro-draft", out_dir=tmp_path)
+    rows = res.summary["sets"]["code-edit"]
+    assert all(rows[s]["identical"] == rows[s]["compared"] == 1 for s in specs[:2])
+
+
 def test_two_model_pair_on_code_prompts_shares_one_draft(micro, capsys, tmp_path):
     """micro-lm + micro-draft on both code sets: one draft object for the engine's draft model, the cascade's and
     transformers' assistant, each peer's schedule put back after its call; the prompt-lookup -> draft cascade

@@ -103,6 +103,41 @@ def test_self_draft_accepts_everything_and_uses_bonus_tokens(tiny):
     assert out.telemetry()["new_tokens"] == 21 and out.telemetry()["target_forwards"] == 6
 
 
+def test_int8_draft_keeps_greedy_output_and_is_made_once(micro):
+    """draft:quantize=int8 drafts with an int8 copy (every Linear, LM head included), made once per draft object;
+    greedy output equals plain decoding; the float draft is left as it was."""
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    from mmaccel.speculative.quantized_draft import quantized_draft
+
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+    drafter = build_drafter("draft:quantize=int8")
+    drafter.model = draft
+    out = speculative_generate(model, ids, drafter, max_new_tokens=MAX_NEW, num_draft_tokens=4)
+    assert torch.equal(out.sequences, _plain(model, ids))
+    q = drafter.model
+    assert q is not draft and q is quantized_draft(draft, "int8") and quantized_draft(q, "int8") is q
+    assert isinstance(q.lm_head, Int8Linear) and not any(type(m) is torch.nn.Linear for m in q.modules())
+    assert all(type(m) is torch.nn.Linear for n, m in draft.named_modules() if n.endswith(("lm_head", "q_proj")))
+    assert quantized_draft(draft, None) is draft
+
+
+@pytest.mark.parametrize("kw, match", [({"quantize": "int4"}, r"quantize must be one of int8"),
+                                       ({"quantize": "int8", "bf16": True}, r"needs a float32 draft on the CPU")])
+def test_int8_draft_refusals(tiny, kw, match):
+    target, small = tiny
+    if kw.pop("bf16", False):
+        import copy
+
+        drafter = DraftModel(copy.deepcopy(small).to(torch.bfloat16), **kw)
+        with pytest.raises(ValueError, match=match):
+            drafter.begin(target, torch.ones(1, 4, dtype=torch.long), None, Sampler())
+    else:
+        with pytest.raises(ValueError, match=match):
+            DraftModel(small, **kw)
+
+
 def test_draft_confidence_stop_keeps_output_and_drafts_less(micro):
     """SpecDec++-style early stop: shorter drafts where the draft is unsure, same greedy output."""
     model, tok, draft = micro

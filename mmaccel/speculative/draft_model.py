@@ -13,6 +13,7 @@ import torch
 
 from ..kernels.hf import cache_kwarg
 from .base import ColumnPositions, Draft, Drafter, crop_cache, croppable_cache, left_padding
+from .quantized_draft import check_scheme, quantized_draft
 from .sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -76,18 +77,25 @@ class DraftModel(Drafter):
         SpecDec++-style early stop (Huang et al., 2024, arXiv 2405.19715, training-free analogue): stop drafting
         once the draft's estimate of "all drafted tokens accepted", the product of its top-1 probabilities (the
         minimum over rows), falls below this value, in ``(0, 1)``. ``None`` (default) always drafts ``k`` tokens.
+    quantize : {"int8"}, optional
+        Draft with an int8 copy of the draft model (:func:`~mmaccel.speculative.quantized_draft.quantized_draft`:
+        float32 on the CPU only). The target still verifies every token, so greedy output is unchanged; the draft's
+        proposals, hence the acceptance rate, may differ.
 
     Raises
     ------
     ValueError
-        At :meth:`begin`: a draft whose vocabulary size, BOS/EOS ids or tokenizer differ from the target's; at
-        construction, ``stop_below`` outside ``(0, 1)``.
+        At :meth:`begin`: a draft whose vocabulary size, BOS/EOS ids or tokenizer differ from the target's, or one
+        that cannot be quantized as asked; at construction, ``stop_below`` outside ``(0, 1)`` or an unknown
+        ``quantize``.
     """
 
     name: ClassVar[str] = "draft"
     observes_any_draft: ClassVar[bool] = True
 
-    def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None, stop_below: float | None = None):
+    def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None, stop_below: float | None = None,
+                 quantize: str | None = None):
+        check_scheme(quantize, self.name)
         if stop_below is not None and not 0.0 < float(stop_below) < 1.0:
             raise ValueError(f"stop_below must be in (0, 1) or None, got {stop_below!r}")
         self.model_ref = model
@@ -95,19 +103,20 @@ class DraftModel(Drafter):
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer
         self.stop_below = stop_below
+        self.quantize = quantize
         self._cache = None
         self._checked = None
         self._forwards = 0
 
     def _load(self, target) -> None:
-        if self.model is not None:
-            return
-        from ..models import load
+        if self.model is None:
+            from ..models import load
 
-        dtype = next(target.parameters()).dtype
-        with torch.inference_mode(False):  # real parameters, not inference tensors, even when called from generation
-            self.model, self.tokenizer = load(self.model_ref, device=str(target.device), dtype=dtype)
-        logger.info("loaded draft model %s", self.model_ref)
+            dtype = next(target.parameters()).dtype
+            with torch.inference_mode(False):  # real parameters, not inference tensors, even from generation
+                self.model, self.tokenizer = load(self.model_ref, device=str(target.device), dtype=dtype)
+            logger.info("loaded draft model %s", self.model_ref)
+        self.model = quantized_draft(self.model, self.quantize, self.name)
 
     def draft_modules(self) -> list:
         """The draft model, once loaded (:meth:`begin`, or the harness's ``prepare``)."""

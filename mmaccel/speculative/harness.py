@@ -48,6 +48,7 @@ from ..longctx import kv_cache_bytes
 from ..specs import MethodSpec, accepted_keys, build_from_registry, parse_method_spec
 from .base import Drafter
 from .draft_model import DraftModel, check_same_vocabulary
+from .quantized_draft import check_scheme, quantized_draft
 from .schedule import AdaptiveDraftLength, check_draft_length
 
 logger = logging.getLogger(__name__)
@@ -315,31 +316,37 @@ class HFAssisted(TransformersPeer):
         ``num_assistant_tokens`` (default: transformers', adapted by its schedule).
     schedule : {"heuristic", "heuristic_transient", "constant"}, optional
         ``num_assistant_tokens_schedule`` (default: transformers'). Set on the assistant's generation config.
+    quantize : {"int8"}, optional
+        Hand transformers the int8 copy of the assistant that ``draft:quantize=int8`` drafts with
+        (:func:`~mmaccel.speculative.quantized_draft.quantized_draft`), to compare the two engines on equal drafts.
 
     Raises
     ------
     ValueError
-        ``num_tokens <= 0``, an unknown schedule, or (at :meth:`prepare`) an assistant whose vocabulary or
-        tokenizer differs from the target's.
+        ``num_tokens <= 0``, an unknown schedule or ``quantize``, or (at :meth:`prepare`) an assistant whose
+        vocabulary or tokenizer differs from the target's, or that cannot be quantized as asked.
     """
 
     name: ClassVar[str] = "hf_assisted"
 
-    def __init__(self, model="micro-draft", num_tokens: int | None = None, schedule: str | None = None):
+    def __init__(self, model="micro-draft", num_tokens: int | None = None, schedule: str | None = None,
+                 quantize: str | None = None):
         _check_positive(self.name, "num_tokens", num_tokens, "hf_assisted:model=micro-draft:num_tokens=5")
+        check_scheme(quantize, self.name)
         if schedule is not None and schedule not in ("heuristic", "heuristic_transient", "constant"):
             raise ValueError(f"hf_assisted: schedule must be heuristic, heuristic_transient or constant, got "
                              f"{schedule!r}")
         self.model_ref = model
         self.model = None if isinstance(model, str) else model
         self.tokenizer = None
-        self.num_tokens, self.schedule = num_tokens, schedule
+        self.num_tokens, self.schedule, self.quantize = num_tokens, schedule, quantize
 
     def prepare(self, model, tokenizer) -> None:
-        """Load the assistant once; refuse one with another vocabulary or tokenizer."""
+        """Load (and quantize, if asked) the assistant once; refuse one with another vocabulary or tokenizer."""
         if self.model is None:
             self.model, self.tokenizer = _load_draft(self.model_ref, model)
             logger.info("loaded assistant model %s", self.model_ref)
+        self.model = quantized_draft(self.model, self.quantize, self.name)
         check_same_vocabulary(self.model, model, self.tokenizer, tokenizer)
 
     def draft_modules(self) -> list:
@@ -460,7 +467,8 @@ def share_draft_models(methods, target) -> dict:
     """Load each draft/assistant model that ``methods`` name (``model_ref`` strings of :class:`DraftModel` drafters,
     cascades included, and of :class:`HFAssisted`) once, and hand the one object to every method naming it, so that
     ``draft``, ``hf_assisted:schedule=constant`` and ``hf_assisted:schedule=heuristic`` run the same weights in one
-    process without holding three copies (a 0.5B draft is 2.5 GB in float32).
+    process without holding three copies (a 0.5B draft is 2.5 GB in float32). Methods asking for ``quantize=int8``
+    get the one int8 copy of that object (:func:`~mmaccel.speculative.quantized_draft.quantized_draft`).
 
     Parameters
     ----------
@@ -489,6 +497,7 @@ def share_draft_models(methods, target) -> dict:
                 loaded[ref] = _load_draft(ref, target)
                 logger.info("loaded draft model %s (shared)", ref)
             obj.model, obj.tokenizer = loaded[ref]
+            obj.model = quantized_draft(obj.model, obj.quantize, obj.name)  # one int8 copy for every asker
     return loaded
 
 
