@@ -21,8 +21,8 @@ import torch
 #: the supported ``quantize=`` schemes of draft models.
 SCHEMES = ("int8",)
 
-_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # float model -> its quantized copy
-_QUANTIZED: "weakref.WeakSet" = weakref.WeakSet()  # the copies made here
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float model -> its quantized copy
+_QUANTIZED: weakref.WeakSet = weakref.WeakSet()  # the copies made here
 
 
 def check_scheme(scheme, owner: str) -> None:
