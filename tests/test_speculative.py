@@ -60,10 +60,34 @@ def test_greedy_equals_generate_on_micro_lm(micro, name):
     drafter = build_drafter("draft:model=micro-draft") if name == "draft" else _drafters(draft)[name]  # lazy load
     out = speculative_generate(model, ids, drafter, max_new_tokens=MAX_NEW, num_draft_tokens=4)
     assert torch.equal(out.sequences, ref)
-    # telemetry is consistent: one prefill + one forward per step, each step commits accepted + 1 tokens
-    assert out.target_forwards == out.steps + 1
+    # telemetry is consistent: one prefill (none when folded into the first step: model-free and draft-model
+    # drafters on an unpadded text prompt) + one forward per step, each step commits accepted + 1 tokens
+    assert out.prefill_folded == (name != "jacobi")
+    assert out.target_forwards == out.steps + (not out.prefill_folded)
     assert out.new_tokens == sum(out.accepted) + out.steps == MAX_NEW or out.sequences[0, -1] == 2
     assert out.forward_ratio == pytest.approx(out.new_tokens / out.target_forwards)
+
+
+def test_prefill_folded_into_the_first_verification(micro):
+    """The prompt goes into the first verification forward for a drafter that needs no target state: the same
+    greedy output and the same kept K/V as with a prefill of its own, one target forward fewer; a padded batch
+    keeps its prefill."""
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+
+    class Unfolded(DraftModel):
+        folds_prefill = False
+
+    folded = speculative_generate(model, ids, DraftModel(draft), max_new_tokens=24, num_draft_tokens=4)
+    kept = speculative_generate(model, ids, Unfolded(draft), max_new_tokens=24, num_draft_tokens=4)
+    assert folded.prefill_folded and not kept.prefill_folded and folded.prefill_seconds == 0 < kept.prefill_seconds
+    assert torch.equal(folded.sequences, kept.sequences) and torch.equal(folded.sequences, _plain(model, ids, 24))
+    assert folded.target_forwards == kept.target_forwards - 1 and folded.kv_cache_bytes == kept.kv_cache_bytes
+    batch = torch.cat([torch.full((1, 3), tok.pad_token_id or 0), ids[:, :20]], dim=1)
+    two = torch.cat([batch, ids[:, :23]])
+    mask = torch.cat([torch.cat([torch.zeros(1, 3), torch.ones(1, 20)], 1), torch.ones(1, 23)]).long()
+    padded = speculative_generate(model, two, DraftModel(draft), max_new_tokens=8, attention_mask=mask)
+    assert not padded.prefill_folded
 
 
 def test_micro_draft_saves_target_forwards(micro):
@@ -97,10 +121,10 @@ def test_self_draft_accepts_everything_and_uses_bonus_tokens(tiny):
     assert not [w for w in caught if "past_key_values" in str(w.message)]
     assert torch.equal(out.sequences, _plain(target, ids, 21, eos_token_id=None))
     assert out.accepted[:4] == [4, 4, 4, 4] and out.acceptance_rate == 1.0
-    assert out.target_forwards == 1 + 5  # prefill + 21 tokens in steps of 5 (the last one asks for 0 drafts)
+    assert out.target_forwards == 5  # 21 tokens in steps of 5 (the last one asks for 0 drafts), prefill folded in
     # the target cache was rolled back to every committed token but the last: 16 + 21 - 1 slots of fp32 K and V
     assert out.kv_cache_bytes == 2 * 2 * 2 * (16 + 21 - 1) * 16 * 4
-    assert out.telemetry()["new_tokens"] == 21 and out.telemetry()["target_forwards"] == 6
+    assert out.telemetry()["new_tokens"] == 21 and out.telemetry()["target_forwards"] == 5
 
 
 def test_int8_draft_keeps_greedy_output_and_is_made_once(micro):
@@ -150,6 +174,34 @@ def test_draft_confidence_stop_keeps_output_and_drafts_less(micro):
     assert short.acceptance_rate > full.acceptance_rate
 
 
+def test_confidence_stops_from_measured_costs():
+    """stop_below=auto's thresholds: draft cost + the marginal verify cost of the next token (hand-computed), the
+    table's last slope extending it."""
+    from mmaccel.speculative.schedule import confidence_stops
+
+    assert confidence_stops(0.1, [1.1, 1.3, 1.4], 5) == [0.3, 0.2, 0.2, 0.2, 0.2]
+    assert confidence_stops(0.0, [1.0], 2) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="draft_cost >= 0"):
+        confidence_stops(-0.1, [1.0], 2)
+
+
+def test_draft_auto_stop_keeps_output_measures_once(micro):
+    """stop_below=auto: greedy output unchanged, the pair's costs measured at the first generation only and
+    reported with the thresholds they give."""
+    model, tok, draft = micro
+    ids = _text_prompt(tok, json.__doc__)
+    drafter = build_drafter("draft:stop_below=auto")
+    drafter.model = draft
+    first = speculative_generate(model, ids, drafter, max_new_tokens=MAX_NEW, num_draft_tokens=8)
+    again = speculative_generate(model, ids, drafter, max_new_tokens=MAX_NEW, num_draft_tokens=8)
+    assert torch.equal(first.sequences, _plain(model, ids)) and torch.equal(again.sequences, first.sequences)
+    t1, t2 = first.telemetry()["drafter_telemetry"], again.telemetry()["drafter_telemetry"]
+    assert t1["draft_cost"] > 0 and t1["costs_s"] > 0 and t2["costs_s"] == 0 and t2["draft_cost"] == t1["draft_cost"]
+    assert len(t1["stop_thresholds"]) == 16 and all(x >= t1["draft_cost"] for x in t1["stop_thresholds"])
+    with pytest.raises(ValueError, match="'auto' or None"):
+        DraftModel(draft, stop_below="often")
+
+
 def test_prompt_lookup_finds_the_continuation():
     pl = PromptLookup(max_ngram=2)
     # last bigram (1, 2) occurs at 0 and 4; the most recent one is at 4
@@ -175,7 +227,7 @@ def test_prompt_lookup_drafts_nothing_without_a_match(tiny):
                                eos_token_id=None)
     assert torch.equal(out.sequences, _plain(target, ids, eos_token_id=None))
     assert out.proposed[0] == 0 and out.accepted[0] == 0
-    assert out.target_forwards == out.steps + 1  # one forward per step, drafts or not
+    assert out.prefill_folded and out.target_forwards == out.steps  # one forward per step, drafts or not
     no_match = out.drafter_telemetry["lookup_misses"]
     assert no_match > 0 and out.proposed.count(0) >= no_match
 

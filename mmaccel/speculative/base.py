@@ -75,6 +75,9 @@ class Drafter:
     lossless: ClassVar[bool] = True
     #: whether :meth:`observe` stays right when the step's draft came from another drafter (a :class:`Cascade`)
     observes_any_draft: ClassVar[bool] = False
+    #: whether the first proposal needs nothing from the target's prefill (no hidden states, no filled cache), so
+    #: the engine may feed the prompt in the first verification forward instead of a prefill of its own
+    folds_prefill: ClassVar[bool] = False
 
     def begin(self, target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               sampler: Sampler) -> None:

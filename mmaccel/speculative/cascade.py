@@ -60,6 +60,7 @@ class Cascade(Drafter):
                                  "drafters such as prompt_lookup and eagle")
         self.then_k = then_k
         self.lossless = self.first.lossless and self.then.lossless
+        self.folds_prefill = self.first.folds_prefill and self.then.folds_prefill
 
     def draft_modules(self) -> list:
         """Both drafters' networks."""

@@ -15,6 +15,7 @@ from ..kernels.hf import cache_kwarg
 from .base import ColumnPositions, Draft, Drafter, crop_cache, croppable_cache, left_padding
 from .quantized_draft import check_scheme, quantized_draft
 from .sampling import Sampler
+from .schedule import cached_draft_cost, cached_verify_costs, confidence_stops
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,15 @@ class DraftModel(Drafter):
         The draft's tokenizer (loaded with the model when ``model`` is a name).
     target_tokenizer : tokenizer, optional
         The target's tokenizer; when given, vocabularies are compared entry by entry at :meth:`begin`.
-    stop_below : float, optional
+    stop_below : float or "auto", optional
         SpecDec++-style early stop (Huang et al., 2024, arXiv 2405.19715, training-free analogue): stop drafting
         once the draft's estimate of "all drafted tokens accepted", the product of its top-1 probabilities (the
-        minimum over rows), falls below this value, in ``(0, 1)``. ``None`` (default) always drafts ``k`` tokens.
+        minimum over rows), falls below this value, in ``(0, 1)``. ``"auto"`` derives the threshold per position
+        from costs measured once per (draft, target) pair on this machine: the draft's one-token forward over the
+        target's (:func:`~mmaccel.speculative.schedule.cached_draft_cost`) plus the marginal cost of one more
+        verified token (:func:`~mmaccel.speculative.schedule.cached_verify_costs`), see
+        :func:`~mmaccel.speculative.schedule.confidence_stops`; pair it with a long ``k`` (``k=16``). ``None``
+        (default) always drafts ``k`` tokens.
     quantize : {"int8"}, optional
         Draft with an int8 copy of the draft model (:func:`~mmaccel.speculative.quantized_draft.quantized_draft`:
         float32 on the CPU only). The target still verifies every token, so greedy output is unchanged; the draft's
@@ -92,12 +98,15 @@ class DraftModel(Drafter):
 
     name: ClassVar[str] = "draft"
     observes_any_draft: ClassVar[bool] = True
+    folds_prefill: ClassVar[bool] = True  # it prefills its own cache from the token ids
 
-    def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None, stop_below: float | None = None,
-                 quantize: str | None = None):
+    def __init__(self, model="micro-draft", tokenizer=None, target_tokenizer=None,
+                 stop_below: float | str | None = None, quantize: str | None = None):
         check_scheme(quantize, self.name)
-        if stop_below is not None and not 0.0 < float(stop_below) < 1.0:
-            raise ValueError(f"stop_below must be in (0, 1) or None, got {stop_below!r}")
+        self.auto_stop = isinstance(stop_below, str) and stop_below.strip().lower() == "auto"
+        if stop_below is not None and not self.auto_stop and (
+                isinstance(stop_below, (str, bool)) or not 0.0 < float(stop_below) < 1.0):
+            raise ValueError(f"stop_below must be in (0, 1), 'auto' or None, got {stop_below!r}")
         self.model_ref = model
         self.model = None if isinstance(model, str) else model
         self.tokenizer = tokenizer
@@ -146,6 +155,13 @@ class DraftModel(Drafter):
                                           capacity=2 * input_ids.shape[1] + 64)
         self._forwards = 0
         self._proposed = 0
+        self._stops = self._costs = None
+        if self.auto_stop:  # measured once per (draft, target) objects; seconds in the telemetry
+            verify, verify_s = cached_verify_costs(target)
+            cost, cost_s = cached_draft_cost(self.model, target)
+            self._stops = confidence_stops(cost, verify, 64)
+            self._costs = {"draft_cost": round(cost, 4), "stop_thresholds": self._stops[:16],
+                           "costs_s": round(verify_s + cost_s, 3)}
         self._last = None  # (the last Draft this drafter returned, the sequence length it was proposed after)
 
     def _forward(self, tokens: torch.Tensor, end: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -186,7 +202,8 @@ class DraftModel(Drafter):
             if self.stop_below is not None:
                 top1 = (p if p is not None else self.model_probs(logits[:, -1])).max(dim=-1).values
                 confidence = top1 if confidence is None else confidence * top1
-                if float(confidence.min()) < self.stop_below:
+                limit = self._stops[min(i, len(self._stops) - 1)] if self.auto_stop else self.stop_below
+                if float(confidence.min()) < limit:
                     break
             if i + 1 < k:
                 logits = self._forward(tok, T + i + 1, mask)
@@ -214,6 +231,7 @@ class DraftModel(Drafter):
     def end(self) -> dict:
         """Free the draft cache; report draft forwards and tokens."""
         telemetry = {"draft_model": str(getattr(self.model, "name_or_path", self.model_ref)),
-                     "draft_forwards": self._forwards, "draft_tokens": getattr(self, "_proposed", 0)}
+                     "draft_forwards": self._forwards, "draft_tokens": getattr(self, "_proposed", 0),
+                     **(getattr(self, "_costs", None) or {})}
         self._cache = self._last = None
         return telemetry

@@ -88,10 +88,14 @@ class SpeculativeOutput:
         Wall time in the drafter (``propose`` + ``observe``) and in target forwards + verification, seconds (the
         prefill is in ``prefill_seconds``). On CUDA both are measured after ``torch.cuda.synchronize``.
     prefill_seconds : float
-        Wall time of the target prefill, seconds.
+        Wall time of the target prefill, seconds; ``0`` when the prompt went into the first verification forward
+        (a drafter with ``folds_prefill``, a text prompt without padding, the engine's own cache: one forward
+        fewer; that time is then in ``verify_seconds``).
     first_token_seconds : float
         From the call to the end of the first verification step (the first committed token), seconds: the TTFT a
         harness reports. ``total_seconds``: the whole call, seconds.
+    prefill_folded : bool
+        Whether the prompt went into the first verification forward (see ``prefill_seconds``).
     kv_cache_bytes : int
         Bytes of the target's K/V the cache holds at the end (:func:`mmaccel.longctx.kv_cache_bytes`); the draft
         model's cache is not counted.
@@ -115,6 +119,7 @@ class SpeculativeOutput:
     prefill_seconds: float = 0.0
     first_token_seconds: float = 0.0
     total_seconds: float = 0.0
+    prefill_folded: bool = False
     kv_cache_bytes: int = 0
     draft_lengths: list = field(default_factory=list)
     drafter: str = ""
@@ -180,6 +185,7 @@ class SpeculativeOutput:
             "verify_seconds": self.verify_seconds,
             "prefill_seconds": self.prefill_seconds,
             "first_token_seconds": self.first_token_seconds,
+            "prefill_folded": self.prefill_folded,
             "total_seconds": self.total_seconds,
             "kv_cache_bytes": self.kv_cache_bytes,
             "proposed": list(self.proposed),
@@ -297,14 +303,16 @@ def _multimodal(model, ids: torch.Tensor, mask: torch.Tensor, model_inputs: dict
 
 
 def _verify_chain(model, cache, seq, draft_tokens, position_ids, attention_mask, draft: Draft, sampler: Sampler,
-                  generator):
+                  generator, start: int = -1):
     """One verification forward of a draft chain: ``[pending, d_1 .. d_k]`` (``draft_tokens`` [B, k]) at
     ``position_ids``, then exact greedy or lossless speculative sampling. ``attention_mask`` [B, T + k] or ``None``
-    (no padding). Returns ``(logits [B, k + 1, V], accepted [B], next_tokens [B])``."""
+    (no padding). ``start``: the first column of ``seq`` fed (``-1``: the pending token; ``0``: the whole prompt,
+    when the prefill is folded into the first verification). Returns ``(logits [B, k + 1, V], accepted [B],
+    next_tokens [B])``."""
     k = draft_tokens.shape[1]
-    step_in = torch.cat([seq[:, -1:], draft_tokens], dim=1)  # [B, k+1]
+    step_in = torch.cat([seq[:, start:], draft_tokens], dim=1)  # [B, k+1] (+ the prompt when folded)
     logits = model(input_ids=step_in, attention_mask=attention_mask, position_ids=position_ids,
-                   **cache_kwarg(model, cache), use_cache=True).logits
+                   **cache_kwarg(model, cache), use_cache=True, logits_to_keep=k + 1).logits
     if logits.shape[1] != k + 1:
         logits = logits[:, -(k + 1):]
     if sampler.greedy:
@@ -467,6 +475,7 @@ def speculative_generate(
         schedule.reset()
 
     out = SpeculativeOutput(sequences=ids, prompt_length=L, drafter=getattr(drafter, "name", type(drafter).__name__))
+    own_cache = cache is None
     cache = croppable_cache(cache=_check_cache(cache)) if cache is not None else croppable_cache(model.config)
     prefill_inputs, positions = _multimodal(model, ids, mask, model_inputs)
     # only real tokens are appended, so the prompt's pad counts fix every later position, and an unpadded batch
@@ -480,20 +489,28 @@ def speculative_generate(
     eos_set = set(eos)
     new = 0
 
+    # a text prompt without padding, in the engine's own cache, before a drafter that needs no target state from
+    # the prefill: the prompt goes into the first verification forward (one forward fewer, as transformers does)
+    fold = L > 1 and own_cache and pads is None and not model_inputs and getattr(drafter, "folds_prefill", False)
+    out.prefill_folded = fold
+
+    def prefill() -> None:
+        t0 = time.perf_counter()
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+              position_ids=positions(positions_from_mask(mask)[:, :-1], prefill=True),
+              **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1, **prefill_inputs)
+        _sync(device)
+        out.prefill_seconds += time.perf_counter() - t0
+        out.target_forwards += 1
+
     _sync(device)
     t_start = t0 = time.perf_counter()
     drafter.begin(model, ids, mask, sampler)
     try:
         _sync(device)
         out.draft_seconds += time.perf_counter() - t0
-        if L > 1:
-            t0 = time.perf_counter()
-            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
-                  position_ids=positions(positions_from_mask(mask)[:, :-1], prefill=True),
-                  **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1, **prefill_inputs)
-            _sync(device)
-            out.prefill_seconds += time.perf_counter() - t0
-            out.target_forwards += 1
+        if L > 1 and not fold:
+            prefill()
 
         while new < max_new_tokens:
             left = max_new_tokens - new
@@ -513,8 +530,13 @@ def speculative_generate(
             k = draft.length
             draft_tokens = draft.tokens if draft.tokens.device == device else draft.tokens.to(device)
 
+            if fold and isinstance(draft, TreeDraft):  # a tree is verified over a filled cache
+                prefill()
+                fold = out.prefill_folded = False
             t0 = time.perf_counter()
             held = cache.get_seq_length()  # slots before this step (fewer than committed tokens after a reduction)
+            start = 0 if fold else T - 1  # the first column fed
+            fold = False
             if isinstance(draft, TreeDraft):
                 # one forward over the whole tree; the cache is compacted to the accepted path (tree.py)
                 start = columns(T - 1, T)
@@ -524,13 +546,13 @@ def speculative_generate(
                 draft = dataclasses.replace(draft, path=tv.path)
             else:
                 logits, acc_rows, next_rows = _verify_chain(
-                    model, cache, seq, draft_tokens, positions(columns(T - 1, T + k)),
-                    None if pads is None else mask_buf[:, : T + k], draft, sampler, generator)
+                    model, cache, seq, draft_tokens, positions(columns(start, T + k)),
+                    None if pads is None else mask_buf[:, : T + k], draft, sampler, generator, start - T)
                 accepted, next_tokens = acc_rows.tolist(), next_rows.tolist()
             out.target_forwards += 1
             was_finished = list(finished)
             m, rows = _commit(draft_tokens.tolist(), accepted, next_tokens, finished, left, eos_set, pad)
-            crop_cache(cache, held + 1 + m)  # keep the pending token and the m accepted drafts
+            crop_cache(cache, held + T - start + m)  # keep what was fed before the drafts and the m accepted drafts
             _sync(device)
             out.verify_seconds += time.perf_counter() - t0
 

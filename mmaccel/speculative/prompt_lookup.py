@@ -93,6 +93,7 @@ class PromptLookup(Drafter):
 
     name: ClassVar[str] = "prompt_lookup"
     observes_any_draft: ClassVar[bool] = True  # it learns from the committed tokens alone
+    folds_prefill: ClassVar[bool] = True  # it reads token ids only
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, verify_cost: float = 0.15, extend: bool = True,
                  prior_weight: float = 2.0, decay: float = 0.9, verify_costs: str | None = None):

@@ -288,3 +288,116 @@ def cached_verify_costs(model, *, max_draft: int = 32, context: int = 256, repea
     held[key] = measure_verify_costs(model, max_draft=max_draft, context=context, repeats=repeats, clock="wall",
                                      sparse=True)
     return held[key], time.perf_counter() - start
+
+
+_MEASURED_DRAFT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def measure_draft_cost(draft, target, *, context: int = 256, repeats: int = 5) -> float:
+    """What one draft token costs on this machine: the median wall time of a one-token forward of ``draft`` over a
+    cached context, over the same for ``target`` (the ``c`` of Leviathan et al., 2023, arXiv 2211.17192, Sec. 3.5,
+    measured instead of assumed). The two models' forwards alternate, so a slow spell hits both.
+
+    Parameters
+    ----------
+    draft, target : transformers.PreTrainedModel
+        Random token ids are fed to each; no output is used.
+    context : int
+        Cached tokens before the measured forwards, ``>= 1``.
+    repeats : int
+        Measured forwards per model after one warm-up, ``>= 1``.
+
+    Returns
+    -------
+    float
+        Draft seconds over target seconds per one-token forward (e.g. 0.13 for an int8 0.5B draft of a 1.5B).
+
+    Raises
+    ------
+    ValueError
+        For arguments out of range.
+    """
+    if context < 1 or repeats < 1:
+        raise ValueError("need context, repeats >= 1")
+    from transformers import DynamicCache
+
+    from ..kernels.hf import cache_kwarg
+
+    gen = torch.Generator().manual_seed(0)
+    models = {"draft": draft, "target": target}
+    caches, times = {}, {name: [] for name in models}
+    for name, m in models.items():
+        device = next(m.parameters()).device
+        vocab = int(m.config.get_text_config().vocab_size)
+        caches[name] = (DynamicCache(config=m.config), device, vocab)
+        m(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device),
+          **cache_kwarg(m, caches[name][0]), use_cache=True)
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for name, m in models.items():
+            cache, device, vocab = caches[name]
+            ids = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            m(input_ids=ids, position_ids=torch.tensor([[context]], device=device), **cache_kwarg(m, cache),
+              use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+            cache.crop(-1)
+    return statistics.median(times["draft"][1:]) / statistics.median(times["target"][1:])
+
+
+def cached_draft_cost(draft, target, **kw) -> tuple[float, float]:
+    """:func:`measure_draft_cost` of the pair, measured once per (draft, target) objects and kept while the draft
+    lives: ``(cost, seconds the measurement took)``; a cost already held returns with ``0.0`` seconds.
+
+    Raises
+    ------
+    ValueError
+        For arguments out of range.
+    """
+    held = _MEASURED_DRAFT_COSTS.setdefault(draft, {})
+    key = (id(target), tuple(sorted(kw.items())))
+    if key in held and held[key][0]() is target:
+        return held[key][1], 0.0
+    start = time.perf_counter()
+    cost = measure_draft_cost(draft, target, **kw)
+    held[key] = (weakref.ref(target), cost)
+    return cost, time.perf_counter() - start
+
+
+def confidence_stops(draft_cost: float, verify_costs, max_tokens: int) -> list[float]:
+    """Cost-based stopping thresholds for a confidence-stopped draft (SpecDec++'s rule with measured costs: Huang,
+    Guo, Wang, 2024, arXiv 2405.19715): after ``i`` drafted tokens whose top-1 draft probabilities multiply to
+    ``conf``, drafting token ``i + 1`` is worth its cost only if ``conf`` (an upper bound on the chance that it is
+    even reached by an accepted prefix) exceeds what it costs, one draft forward plus its share of the verification.
+
+    Parameters
+    ----------
+    draft_cost : float
+        One draft token over one one-token target forward (:func:`measure_draft_cost`), ``>= 0``.
+    verify_costs : sequence of float
+        Entry ``k - 1``: verifying ``k`` draft tokens over a one-token forward (:func:`measure_verify_costs`); the
+        last entry's slope extends it.
+    max_tokens : int
+        Thresholds to return, ``>= 1``.
+
+    Returns
+    -------
+    list of float
+        Entry ``i - 1``: stop after ``i`` tokens when ``conf`` is below it; ``draft_cost + v(i + 1) - v(i)``.
+
+    Raises
+    ------
+    ValueError
+        ``draft_cost < 0``, ``max_tokens < 1`` or an empty cost table.
+    """
+    v = [float(c) for c in verify_costs]
+    if draft_cost < 0 or max_tokens < 1 or not v:
+        raise ValueError("need draft_cost >= 0, max_tokens >= 1 and a non-empty verify cost table")
+    v = [1.0] + v  # v[k]: k draft tokens
+    step = v[-1] - v[-2] if len(v) > 1 else 0.0
+    while len(v) < max_tokens + 2:
+        v.append(v[-1] + step)
+    return [round(draft_cost + max(v[i + 1] - v[i], 0.0), 4) for i in range(1, max_tokens + 1)]
