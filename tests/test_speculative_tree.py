@@ -92,6 +92,20 @@ def test_greedy_equals_generate_on_micro_lm(micro, tree):
     assert out.draft_forwards <= drafter.depth * out.steps  # one draft forward per depth, like a chain
 
 
+def test_a_tree_from_a_folding_drafter_gets_its_prefill(micro):
+    """A drafter claiming folds_prefill that proposes a tree: the engine prefills before the tree's verification
+    (a tree is verified over a filled cache), so output and forward count are as without the claim."""
+    model, _, draft, prompts, refs = micro
+
+    class Folding(DraftTree):
+        folds_prefill = True
+
+    out = speculative_generate(model, prompts[0], Folding(draft, "3,2,2"), max_new_tokens=MAX_NEW,
+                               num_draft_tokens=3)
+    assert torch.equal(out.sequences, refs[0])
+    assert not out.prefill_folded and out.prefill_seconds > 0 and out.target_forwards == out.steps + 1
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "mmaccel"])
 @pytest.mark.parametrize("tree", ["3,2,2", "dytree"])
 def test_greedy_equals_generate_on_tiny_random_llama(tiny, attn, tree):

@@ -132,7 +132,7 @@ class SpeculativeOutput:
 
     @property
     def steps(self) -> int:
-        """Verification forwards (target forwards minus the prefill)."""
+        """Verification forwards (target forwards, minus the prefill when it had a forward of its own)."""
         return len(self.accepted)
 
     @property
@@ -491,8 +491,8 @@ def speculative_generate(
 
     # a text prompt without padding, in the engine's own cache, before a drafter that needs no target state from
     # the prefill: the prompt goes into the first verification forward (one forward fewer, as transformers does)
-    fold = L > 1 and own_cache and pads is None and not model_inputs and getattr(drafter, "folds_prefill", False)
-    out.prefill_folded = fold
+    out.prefill_folded = (L > 1 and own_cache and pads is None and not model_inputs
+                          and getattr(drafter, "folds_prefill", False))
 
     def prefill() -> None:
         t0 = time.perf_counter()
@@ -509,7 +509,7 @@ def speculative_generate(
     try:
         _sync(device)
         out.draft_seconds += time.perf_counter() - t0
-        if L > 1 and not fold:
+        if L > 1 and not out.prefill_folded:
             prefill()
 
         while new < max_new_tokens:
@@ -530,29 +530,29 @@ def speculative_generate(
             k = draft.length
             draft_tokens = draft.tokens if draft.tokens.device == device else draft.tokens.to(device)
 
-            if fold and isinstance(draft, TreeDraft):  # a tree is verified over a filled cache
+            first = out.steps == 0
+            if first and out.prefill_folded and isinstance(draft, TreeDraft):  # a tree needs a filled cache
+                out.prefill_folded = False
                 prefill()
-                fold = out.prefill_folded = False
             t0 = time.perf_counter()
             held = cache.get_seq_length()  # slots before this step (fewer than committed tokens after a reduction)
-            start = 0 if fold else T - 1  # the first column fed
-            fold = False
+            fed_from = 0 if first and out.prefill_folded else T - 1  # the first column of seq this forward feeds
             if isinstance(draft, TreeDraft):
                 # one forward over the whole tree; the cache is compacted to the accepted path (tree.py)
-                start = columns(T - 1, T)
-                tv = _tree.verify_tree(model, cache, seq[:, -1:], draft, start, sampler, generator, positions)
+                tv = _tree.verify_tree(model, cache, seq[:, -1:], draft, columns(T - 1, T), sampler, generator,
+                                       positions)
                 logits, draft_tokens = tv.logits, tv.tokens
                 accepted, next_tokens = [len(tv.path)], tv.next_token.tolist()
                 draft = dataclasses.replace(draft, path=tv.path)
             else:
                 logits, acc_rows, next_rows = _verify_chain(
-                    model, cache, seq, draft_tokens, positions(columns(start, T + k)),
-                    None if pads is None else mask_buf[:, : T + k], draft, sampler, generator, start - T)
+                    model, cache, seq, draft_tokens, positions(columns(fed_from, T + k)),
+                    None if pads is None else mask_buf[:, : T + k], draft, sampler, generator, fed_from - T)
                 accepted, next_tokens = acc_rows.tolist(), next_rows.tolist()
             out.target_forwards += 1
             was_finished = list(finished)
             m, rows = _commit(draft_tokens.tolist(), accepted, next_tokens, finished, left, eos_set, pad)
-            crop_cache(cache, held + T - start + m)  # keep what was fed before the drafts and the m accepted drafts
+            crop_cache(cache, held + T - fed_from + m)  # keep what was fed before the drafts and the m accepted ones
             _sync(device)
             out.verify_seconds += time.perf_counter() - t0
 

@@ -196,6 +196,39 @@ def parse_costs(costs) -> list[float]:
 
 
 @torch.inference_mode()
+def _filled_cache(model, context: int, gen: torch.Generator):
+    """A fresh cache holding ``context`` random tokens of ``model``: ``(cache, device, vocab)``."""
+    from transformers import DynamicCache
+
+    from ..kernels.hf import cache_kwarg
+
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config().vocab_size)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), **cache_kwarg(model, cache),
+          use_cache=True)
+    return cache, device, vocab
+
+
+def _timed_forward(model, filled, n: int, context: int, gen: torch.Generator, now) -> float:
+    """Seconds (by the clock ``now``) of one forward of ``n`` random tokens after the ``context`` tokens of
+    ``filled`` (:func:`_filled_cache`), synchronised on CUDA; the cache is cropped back after it."""
+    from ..kernels.hf import cache_kwarg
+
+    cache, device, vocab = filled
+    ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = now()
+    model(input_ids=ids, position_ids=torch.arange(context, context + n, device=device)[None],
+          **cache_kwarg(model, cache), use_cache=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    spent = now() - t0
+    cache.crop(-n)
+    return spent
+
+
 def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repeats: int = 5,
                          clock: str = "wall", sparse: bool = False) -> list[float]:
     """Measure what verifying ``k`` draft tokens costs on this machine: the time of one target forward of ``k + 1``
@@ -230,32 +263,15 @@ def measure_verify_costs(model, *, max_draft: int = 24, context: int = 256, repe
     """
     if max_draft < 1 or context < 1 or repeats < 1 or clock not in ("wall", "cpu"):
         raise ValueError("need max_draft, context, repeats >= 1 and clock 'wall' or 'cpu'")
-    from transformers import DynamicCache
-
-    from ..kernels.hf import cache_kwarg
-
     now = time.perf_counter if clock == "wall" else time.process_time
-    device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), **cache_kwarg(model, cache),
-          use_cache=True)
+    filled = _filled_cache(model, context, gen)
     drafts = sorted({2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft} | {max_draft}) \
         if sparse else list(range(1, max_draft + 1))
     times: dict[int, list] = {n: [] for n in [1] + [k + 1 for k in drafts]}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for n, spent in times.items():
-            ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = now()
-            model(input_ids=ids, position_ids=torch.arange(context, context + n, device=device)[None],
-                  **cache_kwarg(model, cache), use_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            spent.append(now() - t0)
-            cache.crop(-n)
+            spent.append(_timed_forward(model, filled, n, context, gen, now))
     base = statistics.median(times[1][1:])
     measured = {k: statistics.median(times[k + 1][1:]) / base for k in drafts}
     table = []
@@ -319,32 +335,13 @@ def measure_draft_cost(draft, target, *, context: int = 256, repeats: int = 5) -
     """
     if context < 1 or repeats < 1:
         raise ValueError("need context, repeats >= 1")
-    from transformers import DynamicCache
-
-    from ..kernels.hf import cache_kwarg
-
     gen = torch.Generator().manual_seed(0)
     models = {"draft": draft, "target": target}
-    caches, times = {}, {name: [] for name in models}
-    for name, m in models.items():
-        device = next(m.parameters()).device
-        vocab = int(m.config.get_text_config().vocab_size)
-        caches[name] = (DynamicCache(config=m.config), device, vocab)
-        m(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device),
-          **cache_kwarg(m, caches[name][0]), use_cache=True)
+    filled = {name: _filled_cache(m, context, gen) for name, m in models.items()}
+    times: dict[str, list] = {name: [] for name in models}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for name, m in models.items():
-            cache, device, vocab = caches[name]
-            ids = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            m(input_ids=ids, position_ids=torch.tensor([[context]], device=device), **cache_kwarg(m, cache),
-              use_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - t0)
-            cache.crop(-1)
+            times[name].append(_timed_forward(m, filled[name], 1, context, gen, time.perf_counter))
     return statistics.median(times["draft"][1:]) / statistics.median(times["target"][1:])
 
 
