@@ -1,6 +1,7 @@
 """One shared full-attention prefill for every prefill-only KV method (mmaccel.longctx.shared_prefill,
 mmaccel.eval.shared): the output of each method is token-identical to its own separate run, on micro-lm and on a
-tiny random GQA Llama, at budgets that really evict; methods that change the prefill are refused."""
+tiny random GQA Llama and a tiny Qwen2 with a sliding-window layer, at budgets that really evict; methods that change
+the prefill are refused."""
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,17 @@ def tiny():
     return tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16), None, random_prompt(150)
 
 
-@pytest.fixture(scope="module", params=["micro_lm", "tiny"])
+@pytest.fixture(scope="module")
+def sliding():
+    """A tiny Qwen2 whose middle layer is a 16-token sliding window (the Gemma 3 / Mistral layout in small)."""
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                         layer_types=["full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval(), None, random_prompt(150)
+
+
+@pytest.fixture(scope="module", params=["micro_lm", "tiny", "sliding"])
 def setup(request):
     """(model, tokenizer, prompt [1, L], the shared records, the separate records), once per model."""
     model, tokenizer, ids = request.getfixturevalue(request.param)
@@ -205,11 +216,28 @@ def test_bad_arguments_raise_before_any_run(tiny, kwargs, match):
         generate_shared(model, None, ids, **kwargs)
 
 
-def test_a_model_with_sliding_window_layers_is_refused_before_any_run():
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
-                         layer_types=["full_attention", "sliding_attention"])
-    model = Qwen2ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match=r"layers \[1\] .* not full-attention"):
-        generate_shared(model, None, random_prompt(40), methods=[("snapkv:budget=16:window=4", None)])
-    assert not model.model.layers[0].self_attn._forward_hooks  # the leading cache's hooks came off again
+def test_sliding_window_layers_start_from_the_prefilled_window(sliding):
+    """Each member's decode cache holds the window its own prefill would leave in the sliding layer, and its full
+    layer what the method kept; one member's decode step leaves another's window as it was."""
+    model, _, ids = sliding
+    shared = SharedPrefill([SnapKV(budget=16, window=4), build_method("full")])
+    leader = shared.make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, leader))
+    leader.close()
+    caches = [shared.decode_cache(i, model) for i in range(2)]
+    own = build_method("full").make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, own))
+    window = own.layers[1]
+    assert window.is_sliding and window.keys.shape[-2] == 15  # transformers keeps sliding_window - 1 tokens
+    for cache in caches:
+        assert type(cache.layers[1]) is type(window) and cache.layers[1].get_seq_length() == ids.shape[1]
+        assert torch.equal(cache.layers[1].keys, window.keys) and torch.equal(cache.layers[1].values, window.values)
+    assert [held_tokens(c.layers[2]) for c in caches] == [16, ids.shape[1]]
+    with torch.inference_mode():
+        model(ids[:, -1:], **cache_kwarg(model, caches[0]))  # SnapKV's first decode step
+    assert caches[0].layers[1].get_seq_length() == ids.shape[1] + 1
+    assert torch.equal(caches[1].layers[1].keys, window.keys) and caches[1].layers[1].get_seq_length() == ids.shape[1]
+    for cache in (*caches, own):
+        getattr(cache, "close", lambda: None)()

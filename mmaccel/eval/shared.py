@@ -48,7 +48,6 @@ metered run gives each record two peaks, bytes:
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 
@@ -220,8 +219,8 @@ def generate_shared(
     ValueError
         Before anything runs: ``methods`` empty or malformed, a method whose prefill is not full attention (use
         ``generate_measured`` for it), a bad spec, ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``,
-        ``temperature < 0``, an empty or batched prompt, vision inputs (text only), or a model with sliding-window
-        layers (:meth:`~mmaccel.longctx.shared_prefill.SharedPrefill.make_cache`).
+        ``temperature < 0``, an empty or batched prompt, vision inputs (text only), or a model with a layer that is
+        neither full attention nor a sliding window (:meth:`~mmaccel.longctx.shared_prefill.SharedPrefill.make_cache`).
     """
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(

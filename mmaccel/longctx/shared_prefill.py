@@ -12,7 +12,7 @@ would have produced, and each decodes on its own (:meth:`SharedPrefill.decode_ca
 >>> cache = shared.decode_cache(0, model)  # SnapKV's cache, ready to decode from ids + out[:, -1:]
 
 Memory: the full K/V of a layer lives only while that layer is fanned out (the leading cache drops it afterwards);
-beyond that each method holds what it keeps. :func:`mmaccel.eval.shared.generate_shared` is the measured harness.
+beyond that each method holds what it keeps, and a sliding-window layer its window. :func:`mmaccel.eval.shared.generate_shared` is the measured harness.
 """
 from __future__ import annotations
 
@@ -77,8 +77,12 @@ class SharedPrefill(KVMethod):
     :mod:`mmaccel.longctx.owned`) computes the same full attention over the same K/V at prefill, through
     :func:`mmaccel.kernels.attention` -- equal in exact arithmetic, and bit-identical on the CPU (SDPA both ways; tested
     on micro-lm and a tiny GQA Llama). On CUDA that kernel may be flash-attn where the model runs SDPA, so those three
-    can differ from their own runs by kernel rounding (not checked on a GPU yet). Models whose
-    config has sliding-window (non-full) layers are refused: those layers are not fanned out.
+    can differ from their own runs by kernel rounding (not checked on a GPU yet). Sliding-window layers (Gemma 3,
+    Qwen2 with ``layer_types``) are no method's to compress: every method's own run leaves them to transformers'
+    ``DynamicSlidingWindowLayer``. The leading cache keeps them the same way, and each member's decode cache starts
+    from the window they hold after the prefill (the same tensors, as its own run would hold them: a slice of the
+    prefill's K/V until the next update, which :func:`~mmaccel.longctx.base.kv_cache_bytes` counts whole). A layer that is neither full attention nor a sliding window is
+    refused.
     """
 
     methods: list = field(default_factory=list)
@@ -97,6 +101,7 @@ class SharedPrefill(KVMethod):
         self.holders: list[KVMethodCache] = []
         self.compress_s: list[float] = []
         self._device = None
+        self._windows: dict[int, object] = {}  # the leader's sliding-window layers, by index, after the prefill
 
     @property
     def spec(self) -> str:
@@ -110,7 +115,7 @@ class SharedPrefill(KVMethod):
         Raises
         ------
         ValueError
-            For ``speculative=True``, or a model with non-full-attention (sliding-window) layers.
+            For ``speculative=True``, or a model with a layer that is neither full attention nor a sliding window.
         """
         if speculative:
             raise ValueError("a shared prefill has no speculative cache; decode each member's cache instead")
@@ -118,11 +123,13 @@ class SharedPrefill(KVMethod):
         self.compress_s = [0.0] * len(self.methods)
         self._device = getattr(model, "device", None)
         leader = KVMethodCache(model, self)
-        special = [i for i, layer in enumerate(leader.layers) if not isinstance(layer, EvictingLayer)]
+        special = [i for i, layer in enumerate(leader.layers)
+                   if not isinstance(layer, EvictingLayer) and not getattr(layer, "is_sliding", False)]
         if special:
             leader.close()
-            raise ValueError(f"layers {special} of {type(model).__name__} are not full-attention layers (sliding "
-                             "window?); a shared prefill serves full-attention decoders only: run each method alone")
+            raise ValueError(f"layers {special} of {type(model).__name__} are neither full-attention nor "
+                             "sliding-window layers; a shared prefill cannot serve them: run each method alone")
+        self._windows = {i: layer for i, layer in enumerate(leader.layers) if not isinstance(layer, EvictingLayer)}
         return leader
 
     def on_step(self, step: LayerStep) -> None:
@@ -179,12 +186,17 @@ class SharedPrefill(KVMethod):
                              "member's cache is handed over once")
         holder, self.holders[index] = self.holders[index], None  # the decode cache alone holds the K/V from now on
         cache = self.methods[index].make_cache(model)
-        for mine, prefilled in zip(cache.layers, holder.layers):
+        for i, (mine, prefilled) in enumerate(zip(cache.layers, holder.layers)):
+            window = self._windows.get(i)
+            if window is not None and window.keys is not None:  # the leader's window after the prefill
+                prefilled = window
             if type(mine) is not type(prefilled):
                 _close(cache)
                 raise ValueError(f"{self.methods[index].name}: its cache builds {type(mine).__name__} layers, the "
                                  f"prefill filled {type(prefilled).__name__}")
-            mine.__dict__.update(prefilled.__dict__)  # same object: owned-attention modules keep their reference
+            # same objects: owned-attention modules keep their reference; a window's tensors are shared by the
+            # members (never written in place: the sliding layer replaces them with a new tensor at its next update)
+            mine.__dict__.update(prefilled.__dict__)
         if hasattr(cache, "warnings"):
             cache.warnings.extend(w for w in holder.warnings if w not in cache.warnings)
         return cache
