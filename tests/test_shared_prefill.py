@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_configs import ARCHS, tiny_arch
 from tiny_models import random_prompt, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -241,3 +242,37 @@ def test_sliding_window_layers_start_from_the_prefilled_window(sliding):
     assert torch.equal(caches[1].layers[1].keys, window.keys) and caches[1].layers[1].get_seq_length() == ids.shape[1]
     for cache in (*caches, own):
         getattr(cache, "close", lambda: None)()
+
+
+# Lossy specs of the matrix test (a 40-token prompt): a scorer, one that computes decode attention itself, and the
+# three whose caches own their attention (AdaKV, KVQuant, Quest).
+ARCH_SERVED = ["snapkv:budget=12:window=4", "h2o:budget=12:recent=4", "adakv:method=snapkv,budget=12,window=4",
+               "kvquant:bits=4:group=8:residual=4", "quest:budget=8:page_size=4"]
+
+
+#: the matrix's architectures whose attention differs in a way the shared prefill meets (Llama and Qwen2 are the
+#: fixtures above; the MoE rows differ in their MLPs only)
+ARCH_ROWS = ["gemma2", "gemma3", "mistral-sw", "olmo2", "phi3", "smollm3"]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ARCH_ROWS)
+def test_shared_prefill_over_the_architecture_matrix(arch):
+    """Sliding + global layers (Gemma 2 and 3), a softcap (Gemma 2), a fused qkv (Phi-3), a q norm over the whole
+    projection (OLMo2), a no-RoPE layer (SmolLM3): each member of one shared prefill decodes exactly what its own run
+    does, or refuses as it refuses alone; a model whose every layer is a sliding window (Mistral here) is refused."""
+    assert arch in ARCHS
+    model, ids = tiny_arch(arch), random_prompt(40)
+    if arch == "mistral-sw":
+        with pytest.raises(ValueError, match="sliding-window layer"):
+            generate_shared(model, None, ids, methods=[(ARCH_SERVED[0], None)], max_new_tokens=3)
+        return
+    shared = generate_shared(model, None, ids, methods=[(s, s) for s in ARCH_SERVED], max_new_tokens=4, warmup=0)
+    for spec, mine in zip(ARCH_SERVED, shared):
+        own = generate_measured(model, None, ids, method=spec, max_new_tokens=4, warmup=0)
+        if not own.ok:  # a method that refuses this architecture alone (Gemma 2's softcap) refuses it here too
+            assert not mine.ok and own.error.split(": ", 1)[-1] in mine.error, (arch, spec, own.error, mine.error)
+            continue
+        assert mine.ok, (arch, spec, mine.error)
+        assert mine.output_ids == own.output_ids, (arch, spec)
+        assert mine.kv_cache_bytes_prefill == own.kv_cache_bytes_prefill, (arch, spec)
