@@ -268,6 +268,12 @@ def test_shared_prefill_over_the_architecture_matrix(arch):
             generate_shared(model, None, ids, methods=[(ARCH_SERVED[0], None)], max_new_tokens=3)
         return
     shared = generate_shared(model, None, ids, methods=[(s, s) for s in ARCH_SERVED], max_new_tokens=4, warmup=0)
+    if arch == "gemma2":  # a refusal comes before the prefill: with raise_errors it is the method's own ValueError
+        with pytest.raises(ValueError, match="softcap"):
+            generate_shared(model, None, ids, methods=[(s, s) for s in ARCH_SERVED], max_new_tokens=4,
+                            raise_errors=True)
+        assert not any(layer.self_attn._forward_hooks for layer in model.model.layers)
+        assert sum(not r.ok for r in shared) == 3 and all(r.ok for r in shared[:2])  # SnapKV and H2O still served
     for spec, mine in zip(ARCH_SERVED, shared):
         own = generate_measured(model, None, ids, method=spec, max_new_tokens=4, warmup=0)
         if not own.ok:  # a method that refuses this architecture alone (Gemma 2's softcap) refuses it here too

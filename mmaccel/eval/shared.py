@@ -212,7 +212,9 @@ def generate_shared(
         ``telemetry``, and in ``extra`` ``shared_prefill_s``, ``compress_s``, ``shared_group_s`` (seconds),
         ``shared_prefill_peak_bytes`` and ``decode_peak_bytes`` (bytes), ``shared_prefill=True`` and ``shared_with``
         (the group's labels). A failed shared prefill fails every record; a failed decode only its
-        own.
+        own; a method whose own cache cannot be made for the model (its ``make_cache`` raises: a refusal,
+        out of memory) gets a ``"failed"`` record with that error before the prefill, and the prefill serves the
+        others.
 
     Raises
     ------
@@ -220,7 +222,8 @@ def generate_shared(
         Before anything runs: ``methods`` empty or malformed, a method whose prefill is not full attention (use
         ``generate_measured`` for it), a bad spec, ``max_new_tokens < 1``, ``repeats < 1``, ``warmup < 0``,
         ``temperature < 0``, an empty or batched prompt, vision inputs (text only), or a model with a layer that is
-        neither full attention nor a sliding window (:meth:`~mmaccel.longctx.shared_prefill.SharedPrefill.make_cache`).
+        neither full attention nor a sliding window (:meth:`~mmaccel.longctx.shared_prefill.SharedPrefill.make_cache`);
+        with ``raise_errors``, also a method's own refusal of the model.
     """
     if max_new_tokens < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
@@ -233,12 +236,19 @@ def generate_shared(
         raise ValueError(f"generate_shared takes text prompts only, got {sorted(extra_inputs)}; measure vision-language "
                          "inputs with generate_measured")
     SharedPrefill([m for m, _ in members]).make_cache(model).close()  # a model it cannot serve raises here, up front
+    refused = _refusals(model, members, raise_errors)
     device = getattr(model, "device", torch.device("cpu"))
     labels = [label for _, label in members]
-    records = [RunRecord(method=label, method_name=m.name, prompt_tokens=int(ids.shape[1]), repeats=repeats,
-                         warmup=warmup, device=str(device), dtype=str(next(model.parameters()).dtype),
-                         threads=torch.get_num_threads(), extra={"shared_prefill": True, "shared_with": labels})
-               for m, label in members]
+    all_records = [RunRecord(method=label, method_name=m.name, prompt_tokens=int(ids.shape[1]), repeats=repeats,
+                             warmup=warmup, device=str(device), dtype=str(next(model.parameters()).dtype),
+                             threads=torch.get_num_threads(), extra={"shared_prefill": True, "shared_with": labels})
+                   for m, label in members]
+    for i, error in refused.items():
+        all_records[i].status, all_records[i].error = "failed", error
+    members = [m for i, m in enumerate(members) if i not in refused]
+    records = [r for i, r in enumerate(all_records) if i not in refused]
+    if not members:
+        return all_records
     gen_kwargs = generation_kwargs(model, tokenizer, temperature)
     measured: list[list[dict]] = [[] for _ in members]
     with torch.inference_mode():
@@ -270,7 +280,28 @@ def generate_shared(
     for record, runs in zip(records, measured):
         if record.ok and runs:
             _fill(record, runs, tokenizer)
-    return records
+    return all_records
+
+
+def _refusals(model, members, raise_errors: bool) -> dict[int, str]:
+    """Members whose own cache cannot be made for ``model`` (a refusal, e.g. a method that computes attention
+    itself on a model with an attention softcap, or an out-of-memory error), found before the shared prefill:
+    ``{index: "ValueError: ..."}``. The error is the one the method raises alone; with ``raise_errors`` it is raised
+    here."""
+    refused = {}
+    for i, (method, _) in enumerate(members):
+        try:
+            cache = method.make_cache(model)
+        except Exception as exc:  # a refusal (ValueError, NotImplementedError), or out of memory: that member only
+            if raise_errors:
+                raise
+            refused[i] = f"{type(exc).__name__}: {exc}"
+            logger.warning("%s cannot make its cache for this model: %s", getattr(method, "name", "method"), exc)
+            continue
+        close = getattr(cache, "close", None)
+        if callable(close):
+            close()
+    return refused
 
 
 def _fill(record: RunRecord, runs: list[dict], tokenizer) -> None:

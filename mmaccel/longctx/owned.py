@@ -213,6 +213,24 @@ class OwnedAttentionCache(KVMethodCache):
 
     def __init__(self, model: torch.nn.Module, method):
         super().__init__(model, method)
+        try:
+            modules = self._owned_modules(model, method)
+        except BaseException:
+            self.close()  # a refusal leaves nothing attached (the base class may have hooked the modules already)
+            raise
+        for i, module in modules.items():
+            self._hooks.append(_ModuleOwnership(module, self.layers[i]))
+        ref = weakref.ref(self)
+
+        def after_model(module, args, kwargs, output):
+            cache = ref()
+            if cache is not None and output is None and hooked_cache(kwargs) is cache:
+                cache.close()  # the forward raised: give the modules back their own attention
+
+        self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
+
+    def _owned_modules(self, model: torch.nn.Module, method) -> dict:
+        """``{layer_idx: attention module}`` this cache will drive; the refusals of the class docstring."""
         modules = {i: m for i, m in attention_modules(model).items()
                    if i < len(self.layers) and isinstance(self.layers[i], AttentionOwningLayer)}
         if not modules:
@@ -224,18 +242,10 @@ class OwnedAttentionCache(KVMethodCache):
                 f"layers {busy} of this model are already driven by another open {method.name} cache; close it "
                 "(or use `with cache:`) before making a new one"
             )
-        for i, module in modules.items():
-            if not hasattr(module, "config"):
-                raise ValueError(f"attention module of layer {i} has no config; cannot route its attention")
-            self._hooks.append(_ModuleOwnership(module, self.layers[i]))
-        ref = weakref.ref(self)
-
-        def after_model(module, args, kwargs, output):
-            cache = ref()
-            if cache is not None and output is None and hooked_cache(kwargs) is cache:
-                cache.close()  # the forward raised: give the modules back their own attention
-
-        self._hooks.append(model.register_forward_hook(after_model, with_kwargs=True, always_call=True))
+        missing = [i for i, module in modules.items() if not hasattr(module, "config")]
+        if missing:
+            raise ValueError(f"attention module of layer {missing[0]} has no config; cannot route its attention")
+        return modules
 
 
 class DecodeProbsLayer(EvictingLayer, AttentionOwningLayer):
