@@ -56,6 +56,7 @@ import torch
 from ..kernels._common import synchronize
 from ..kernels.hf import cache_kwarg
 from ..longctx import build_method, kv_cache_bytes
+from ..longctx.base import close_cache
 from ..longctx.shared_prefill import SharedPrefill, shares_prefill
 from ..pipeline import check_temperature, generation_kwargs, model_inputs_for
 from .generation import RunRecord, _jsonable, load_average, median_or_none
@@ -155,9 +156,7 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
         except Exception as exc:  # noqa: BLE001 - a failed decode is its own record's, the others go on
             run["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            close = getattr(cache, "close", None)
-            if callable(close):
-                close()
+            close_cache(cache)
         runs.append(run)
     return runs
 
@@ -298,9 +297,7 @@ def _refusals(model, members, raise_errors: bool) -> dict[int, str]:
             refused[i] = f"{type(exc).__name__}: {exc}"
             logger.warning("%s cannot make its cache for this model: %s", getattr(method, "name", "method"), exc)
             continue
-        close = getattr(cache, "close", None)
-        if callable(close):
-            close()
+        close_cache(cache)
     return refused
 
 

@@ -113,6 +113,14 @@ def bookkeeping_bytes(cache: Cache) -> int:
     return _storage_bytes(tensors)
 
 
+def close_cache(cache) -> None:
+    """Close ``cache`` if it has a ``close`` (a :class:`KVMethodCache` removes the hooks it attached to the model);
+    a plain transformers cache, or ``None``, is left as it is."""
+    close = getattr(cache, "close", None)
+    if callable(close):
+        close()
+
+
 def held_tokens(layer) -> int:
     """Number of sequence slots a cache layer holds (0 if uninitialised)."""
     keys = getattr(layer, "keys", None)

@@ -34,7 +34,7 @@ from transformers import Cache
 
 from ..kernels._common import synchronize
 from ..kernels.hf import cache_kwarg
-from .base import KVMethod
+from .base import KVMethod, close_cache
 from .registry import build_method
 from .shared_prefill import SharedPrefill
 
@@ -129,11 +129,6 @@ def _prefill(model, ids: torch.Tensor, cache) -> None:
     model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **cache_kwarg(model, cache), **extra)
 
 
-def _close(cache) -> None:
-    close = getattr(cache, "close", None)
-    if callable(close):
-        close()
-
 
 def compress(method, model, context_ids) -> CompressedContext:
     """Prefill ``context_ids`` through ``method.make_cache(model)``, so the method compresses at the end of the
@@ -166,7 +161,7 @@ def compress(method, model, context_ids) -> CompressedContext:
         with torch.inference_mode():
             _prefill(model, ids, cache)
     finally:
-        _close(cache)
+        close_cache(cache)
     return CompressedContext(method, cache, ids)
 
 
@@ -203,7 +198,7 @@ def compress_shared(methods, model, context_ids) -> list[CompressedContext]:
     out = []
     for i, method in enumerate(resolved):
         cache = shared.decode_cache(i, model)
-        _close(cache)  # the state stays; the hooks (or owned attention) go until a question is asked
+        close_cache(cache)  # the state stays; the hooks (or owned attention) go until a question is asked
         out.append(CompressedContext(method, cache, ids, compress_s=shared.compress_s[i]))
     return out
 
@@ -232,7 +227,7 @@ def fresh_copy(compressed: CompressedContext, model) -> Cache:
     cache = compressed.method.make_cache(model)
     for mine, held in zip(cache.layers, compressed.cache.layers):
         if type(mine) is not type(held):
-            _close(cache)
+            close_cache(cache)
             raise ValueError(f"{compressed.method.name}: its cache builds {type(mine).__name__} layers, the compressed "
                              f"cache holds {type(held).__name__}")
         mine.__dict__.update(_clone(held.__dict__))
@@ -315,4 +310,4 @@ def answer(model, compressed: CompressedContext, question_ids, max_new_tokens: i
                 new_ids = more[0, full.shape[1]:].tolist()
             return Answer(new_ids, question_s, decode_s, kv_cache_bytes(cache), list(getattr(cache, "warnings", [])))
     finally:
-        _close(cache)
+        close_cache(cache)

@@ -23,7 +23,7 @@ import torch
 from transformers import Cache
 
 from ..kernels._common import synchronize
-from .base import EvictingLayer, KVMethod, KVMethodCache, LayerStep
+from .base import EvictingLayer, KVMethod, KVMethodCache, LayerStep, close_cache
 
 
 def shares_prefill(method) -> bool:
@@ -191,7 +191,7 @@ class SharedPrefill(KVMethod):
             if window is not None and window.keys is not None:  # the leader's window after the prefill
                 prefilled = window
             if type(mine) is not type(prefilled):
-                _close(cache)
+                close_cache(cache)
                 raise ValueError(f"{self.methods[index].name}: its cache builds {type(mine).__name__} layers, the "
                                  f"prefill filled {type(prefilled).__name__}")
             # same objects: owned-attention modules keep their reference; a window's tensors are shared by the
@@ -201,8 +201,3 @@ class SharedPrefill(KVMethod):
             cache.warnings.extend(w for w in holder.warnings if w not in cache.warnings)
         return cache
 
-
-def _close(cache) -> None:
-    close = getattr(cache, "close", None)
-    if callable(close):
-        close()

@@ -24,6 +24,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..longctx.base import close_cache
 from .resolve import resolve_kv, resolve_method, resolve_speculative, resolve_vision
 from .runners import runner_for
 
@@ -36,11 +37,6 @@ def engine_cache(kv, model):
     return kv.make_cache(model)
 
 
-def _close(cache) -> None:
-    close = getattr(cache, "close", None)
-    if callable(close):
-        close()
-
 
 def _croppable(kv, model) -> bool:
     """Whether ``kv``'s engine cache can be rolled back (every layer croppable) and stays passive after the prefill
@@ -51,7 +47,7 @@ def _croppable(kv, model) -> bool:
     try:
         return all(getattr(layer, "is_croppable", True) for layer in getattr(cache, "layers", []))
     finally:
-        _close(cache)
+        close_cache(cache)
 
 
 def check_composition(model, method, *, kv=None, vision=None) -> None:
@@ -267,7 +263,7 @@ class Composition:
             if cache is not None:
                 run["telemetry"] = {**run["telemetry"], "kv": self.engine_kv.telemetry(cache)}
         finally:
-            _close(cache)
+            close_cache(cache)
         if self.vision is not None:
             run["telemetry"] = {**run["telemetry"], "vision": dict(self.vision.telemetry)}
             run["visual_tokens"], run["visual_tokens_kept"] = visual_token_counts(self.vision.telemetry)

@@ -19,6 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from ..kernels._common import synchronize
 from ..kernels.hf import cache_kwarg
 from ..longctx import kv_cache_bytes
+from ..longctx.base import close_cache
 
 
 class StepProbe(LogitsProcessor):
@@ -157,9 +158,7 @@ class KVCacheRun:
                 "telemetry": method.telemetry(cache) if hasattr(method, "telemetry") else {},
             }
         finally:
-            close = getattr(cache, "close", None)
-            if callable(close):
-                close()  # remove any hooks a failed run left on the model
+            close_cache(cache)  # remove any hooks a failed run left on the model
 
 
 def runner_for(method):

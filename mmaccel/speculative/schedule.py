@@ -213,17 +213,16 @@ def _filled_cache(model, context: int, gen: torch.Generator):
 def _timed_forward(model, filled, n: int, context: int, gen: torch.Generator, now) -> float:
     """Seconds (by the clock ``now``) of one forward of ``n`` random tokens after the ``context`` tokens of
     ``filled`` (:func:`_filled_cache`), synchronised on CUDA; the cache is cropped back after it."""
+    from ..kernels._common import synchronize
     from ..kernels.hf import cache_kwarg
 
     cache, device, vocab = filled
     ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     t0 = now()
     model(input_ids=ids, position_ids=torch.arange(context, context + n, device=device)[None],
           **cache_kwarg(model, cache), use_cache=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     spent = now() - t0
     cache.crop(-n)
     return spent
