@@ -326,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-meter", choices=["rss", "allocator"], default="rss",
                    help="CPU peak memory: the sampled RSS growth (default) or torch's CPU allocations under the "
                         "profiler (exact tensor bytes)")
+    p.add_argument("--no-shared-encoding", dest="share_encoding", action="store_false",
+                   help="encode every clip again for every method (default: methods that leave the vision tower "
+                        "alone share one encoding per clip; the first clip of each frame count still runs each "
+                        "method alone, for its peak memory)")
     _add_repeat_args(p, max_new_tokens=6)
     p.add_argument("--out", default="runs/video-niah", help="output folder (default runs/video-niah)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -633,7 +637,7 @@ def cmd_video_niah(args) -> int:
                         kind=args.kind, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                         memory_budget=args.memory_budget, vision_batch=args.vision_batch, out_dir=args.out,
                         progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
-                        stream=args.stream, memory_meter=args.memory_meter)
+                        stream=args.stream, memory_meter=args.memory_meter, share_encoding=args.share_encoding)
     print(video_table(result.summary))
     print(f"wrote {Path(args.out) / 'results.jsonl'}, summary.json, {len(result.heatmaps)} heatmap(s) and "
           "peak_memory.png")

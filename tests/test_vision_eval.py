@@ -211,7 +211,7 @@ def test_video_niah_writes_heatmaps_and_the_memory_report(vlm, tmp_path):
     model, processor = vlm
     methods = ["none", "pooling:keep_ratio=0.25+streaming:window=8:sink=2"]
     result = video_niah(model, processor, methods, [1, 2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
-                        memory_budget=2**40, out_dir=tmp_path, progress=False)
+                        memory_budget=2**40, out_dir=tmp_path, progress=False, share_encoding=False)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 * 2 and all(r["status"] == "ok" for r in rows)
     for r in rows:
@@ -243,7 +243,7 @@ def test_video_niah_writes_heatmaps_and_the_memory_report(vlm, tmp_path):
         video_niah(model, processor, methods, [1, 2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
                    out_dir=tmp_path, progress=False)
     again = video_niah(model, processor, methods, [1, 2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
-                       memory_budget=2**40, out_dir=tmp_path, progress=False, resume=True)
+                       memory_budget=2**40, out_dir=tmp_path, progress=False, resume=True, share_encoding=False)
     assert (tmp_path / "results.jsonl").read_bytes() == before
     assert [r["output_ids"] for r in again.records] == [r["output_ids"] for r in result.records]
 

@@ -32,6 +32,11 @@ A method is ``VISION[+KV]`` (:func:`~mmaccel.eval.visual.parse_visual_config`), 
   In-LLM pruning (FastV, Progressive, AIM's pruning layers) needs the whole prompt in one forward and is refused with
   ``chunked`` (:func:`check_video_config`).
 
+One encoding per clip: the methods that leave the vision tower alone (all but in-tower ToMe and the tower-scored
+VisionZip and PruMerge) share one tower pass per clip (``share_encoding``, on by default; ``--no-shared-encoding``),
+which is most of a long clip's cost. Their records count the shared pass in ``vision_encoder_s`` and ``ttft_s``; the
+first clip of each frame count runs every method with its own pass, and gives the summary's peak memory.
+
 Output folder
 -------------
 ``results.jsonl``
@@ -58,7 +63,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..pipeline import resolve_vision
 from ..vision_tokens.batched_tower import BatchedVisionEncoding
+from ..vision_tokens.shared_encoding import SharedVisionEncoding, reads_tower_output_only
 from .memory import PeakMemory, check_cpu_meter
 from .niah import draw_heatmap, safe_label, summarize
 from .visual import (
@@ -501,6 +508,7 @@ def video_niah(
     overwrite: bool = False,
     stream: bool = False,
     memory_meter: str = "rss",
+    share_encoding: bool = True,
 ) -> VideoNIAHResult:
     """Run every method on every (frames, depth, trial) clip.
 
@@ -543,6 +551,16 @@ def video_niah(
         otherwise). ``repeats`` is 1.
     memory_meter : {"rss", "allocator"}
         How peak memory is measured off CUDA (:class:`~mmaccel.eval.memory.PeakMemory`).
+    share_encoding : bool
+        Encode each clip's frames through the vision tower once and give that output to every method that leaves
+        the tower alone (:func:`~mmaccel.vision_tokens.shared_encoding.reads_tower_output_only`: ``none``, pooling,
+        temporal ToMe, AIM, in-LLM pruners, with any KV method), as
+        :class:`~mmaccel.vision_tokens.shared_encoding.SharedVisionEncoding` does; their answers are those of their
+        own encodings. Such a record's ``vision_encoder_s`` and ``ttft_s`` include the shared encoding's seconds
+        (``telemetry["shared_vision_encoder_s"]``) and its ``peak_memory_bytes`` is ``None`` (the stored encoding
+        predates the run, so the meter cannot see it): the first clip of each frame count (first depth, trial 0)
+        runs every method with its own encoding, and the summary's peak memory is that clip's. Not with
+        ``stream`` (which encodes as it goes).
 
     Returns
     -------
@@ -583,6 +601,8 @@ def video_niah(
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     batched = None if vision_batch is None or stream else BatchedVisionEncoding(model, vision_batch)
+    shared = SharedVisionEncoding(model, vision_batch) if share_encoding and not stream else None
+    sharable = {c.label: reads_tower_output_only(resolve_vision(c.vision)[0]) for c in configs}
     warm_clip = make_clip(WARMUP_FRAMES, seed=split_seed("test", seed, 0), depth=0.5, size=size, kind=kind)
     warm_inputs = chat_inputs(processor, clip_images(warm_clip), warm_clip.question)
     if not stream:
@@ -593,7 +613,7 @@ def video_niah(
     config = {"methods": labels, "frames": frames, "depths": depths, "trials": trials, "seed": seed,
               "kind": kind, "size": size, "max_new_tokens": max_new_tokens, "repeats": repeats,
               "warmup": warmup, "memory_budget_bytes": memory_budget, "vision_batch": vision_batch,
-              "stream": stream, "memory_meter": memory_meter}
+              "stream": stream, "memory_meter": memory_meter, "share_encoding": shared is not None}
     out = check_out_dir(out_dir, resume=resume, overwrite=overwrite) if out_dir is not None else None
     cells = [SweepCell(c.label, sample=f"T={n}/d={d:g}/t={t}", fields={"frames": n, "depth": d, "trial": t},
                        payload=c)
@@ -617,14 +637,22 @@ def video_niah(
         key = (n_frames, depth, trial)
         if key not in clips:
             clips.clear()  # one clip's frames at a time
+            if shared is not None:
+                shared.clear()
             clip_seed = split_seed("test", seed, trial)
             clip = make_clip(n_frames, seed=clip_seed, depth=depth, size=size, kind=kind)
             clips[key] = (clip, clip_seed, chat_inputs(processor, clip_images(clip), clip.question))
         clip, clip_seed, inputs = clips[key]
         config = cell.payload
-        rec = run_config(model, processor, inputs, config, answer=clip.answer, max_new_tokens=max_new_tokens,
-                         repeats=repeats, warmup=0 if config.label in warmed else warmup, warmup_inputs=warm_inputs,
-                         memory_meter=memory_meter)
+        share = shared is not None and sharable[config.label] and (depth, trial) != (depths[0], 0)
+        with shared.applied() if share else contextlib.nullcontext():
+            if share and shared.encode_s is None:
+                shared.encode(inputs["pixel_values"])
+            rec = run_config(model, processor, inputs, config, answer=clip.answer, max_new_tokens=max_new_tokens,
+                             repeats=repeats, warmup=0 if config.label in warmed else warmup,
+                             warmup_inputs=warm_inputs, memory_meter=memory_meter)
+        if share:
+            _add_shared_encoding(rec, shared.encode_s)
         warmed.add(config.label)
         rec.extra.update(frames=n_frames, length=n_frames, depth=depth, trial=trial, clip_seed=clip_seed,
                          needle_frame=clip.needle_frame, kind=kind, question=clip.question)
@@ -653,6 +681,18 @@ def video_niah(
     if out is not None:
         logger.info("wrote %s", out)
     return result
+
+
+def _add_shared_encoding(record, seconds: float) -> None:
+    """Count a shared vision encoding's ``seconds`` in a run's ``vision_encoder_s`` and ``ttft_s`` (and in each
+    repeat's), and set its peak memory to ``None``: the meter started after the stored encoding was allocated."""
+    for row in (record.__dict__, *record.samples):
+        for name in ("vision_encoder_s", "ttft_s"):
+            if row.get(name) is not None:
+                row[name] = row[name] + seconds
+        if "peak_memory_bytes" in row:
+            row["peak_memory_bytes"] = None
+    record.telemetry = {**(record.telemetry or {}), "shared_vision_encoder_s": seconds}
 
 
 def _warn_positions(model, per_frame: int, most_frames: int, max_new_tokens: int, configs) -> None:

@@ -27,6 +27,7 @@ from .pre_llm import ImageReducer, lift_to_sequence
 from .progressive import Progressive, parse_numbers
 from .prumerge import PruMerge, iqr_outliers, prumerge_plan
 from .registry import METHODS, build_method
+from .shared_encoding import SharedVisionEncoding, reads_tower_output_only
 from .temporal import TemporalToMe, temporal_merge_plan
 from .tome import ToMe, bipartite_soft_matching, parse_schedule
 from .visionzip import VisionZip, visionzip_plan
@@ -59,6 +60,7 @@ __all__ = [
     "Pooling",
     "Progressive",
     "PruMerge",
+    "SharedVisionEncoding",
     "TemporalToMe",
     "ToMe",
     "TokenPlan",
@@ -81,6 +83,7 @@ __all__ = [
     "pooled_grid",
     "pooling_plan",
     "prumerge_plan",
+    "reads_tower_output_only",
     "temporal_merge_plan",
     "visionzip_plan",
     "vit_layers",
