@@ -27,6 +27,21 @@ def _copy_into(outputs: dict, name, value: torch.Tensor | None, start: int, tota
     outputs[name][start: start + value.shape[0]] = value
 
 
+def fixed_grid_llava(model: nn.Module, what: str) -> VLMParts:
+    """``model``'s parts if it is a fixed-grid LLaVA (one tensor of pixels per image), for ``what`` needs one.
+
+    Raises
+    ------
+    ValueError
+        Any other model (AnyRes and Qwen2-VL pack their pixels differently; a text-only model has no tower).
+    """
+    parts = VLMParts.find(model)
+    if isinstance(parts, str) or parts.kind != "llava":
+        why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
+        raise ValueError(f"{what} supports fixed-grid LLaVA models only; {why}")
+    return parts
+
+
 class BatchedTower(nn.Module):
     """A LLaVA vision tower run on at most ``batch`` images per call.
 
@@ -138,10 +153,7 @@ class BatchedVisionEncoding:
     def __init__(self, model: nn.Module, batch: int = 64):
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"vision batch must be an integer >= 1, got {batch!r}; e.g. 64")
-        parts = VLMParts.find(model)
-        if isinstance(parts, str) or parts.kind != "llava":
-            why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
-            raise ValueError(f"batched vision encoding supports fixed-grid LLaVA models only; {why}")
+        parts = fixed_grid_llava(model, "batched vision encoding")
         self.inner, self.batch = parts.inner, batch
         self._original = None
         self._original_projector = None
@@ -204,10 +216,7 @@ def encode_frames(model: nn.Module, pixel_batches, reducer=None):
     """
     from .pre_llm import _grid_plan
 
-    parts = VLMParts.find(model)
-    if isinstance(parts, str) or parts.kind != "llava":
-        why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
-        raise ValueError(f"streamed frame encoding supports fixed-grid LLaVA models only; {why}")
+    parts = fixed_grid_llava(model, "streamed frame encoding")
     if reducer is not None and not per_frame_reducer(reducer):
         raise ValueError(f"{getattr(reducer, 'name', reducer)!r} cannot reduce a streamed frame alone; use a pre-LLM "
                          "method planned on one frame's projected tokens, e.g. pooling:keep_ratio=0.0625")

@@ -11,8 +11,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..kernels._common import synchronize
 from ..models.parts import held_tower
-from .adapters import VLMParts
-from .batched_tower import BatchedTower, _kept_layers
+from .batched_tower import BatchedTower, _kept_layers, fixed_grid_llava
 
 __all__ = ["SharedVisionEncoding", "reads_tower_output_only"]
 
@@ -95,10 +94,7 @@ class SharedVisionEncoding:
     def __init__(self, model: nn.Module, batch: int | None = None):
         if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
             raise ValueError(f"vision batch must be an integer >= 1, got {batch!r}; e.g. 64")
-        parts = VLMParts.find(model)
-        if isinstance(parts, str) or parts.kind != "llava":
-            why = parts if isinstance(parts, str) else f"it is a {parts.kind} model"
-            raise ValueError(f"a shared vision encoding supports fixed-grid LLaVA models only; {why}")
+        parts = fixed_grid_llava(model, "a shared vision encoding")
         self.inner, self.batch = parts.inner, batch
         self._pixels: torch.Tensor | None = None
         self._output: BaseModelOutputWithPooling | None = None
