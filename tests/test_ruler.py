@@ -147,9 +147,14 @@ def test_compress_really_compresses_and_shared_gives_the_same_caches(micro):
     alone = compress("snapkv:ratio=0.25", model, s.context_ids)
     held = alone.cache.layers[0].keys.shape[-2]
     assert held == -(-len(s.context_ids) // 4)
-    full, snap = compress_shared(["full", build_method("snapkv:ratio=0.25")], model, s.context_ids)
+    zipped = compress("kvzip:ratio=0.25:chunk=128", model, s.context_ids)
+    full, snap, kvzip = compress_shared(["full", build_method("snapkv:ratio=0.25"),
+                                         build_method("kvzip:ratio=0.25:chunk=128")], model, s.context_ids)
     assert all(torch.equal(x, y) for x, y in zip(_kv(snap.cache), _kv(alone.cache)))
     assert full.cache.layers[0].keys.shape[-2] == len(s.context_ids)
+    # KVzip's reconstruction runs after the shared forward: the same slots as its own compress, and it evicted
+    assert kvzip.cache.layers[0].keys.shape[-2] == held and kvzip.compress_s > 0
+    assert all(torch.equal(x, y) for x, y in zip(_kv(kvzip.cache), _kv(zipped.cache)))
 
 
 def test_a_method_that_needs_the_question_is_refused(micro):

@@ -36,6 +36,7 @@ SERVED = [
     "kvquant:bits=4:group=8:residual=8:method=snapkv,budget=48,window=8",
     "kvquant:bits=2",
     "quest:budget=32:page_size=8",
+    "kvzip:budget=48:chunk=64",  # the reconstruction (three chunks) runs on the filled holder after the forward
 ]
 # Methods that change the prefill itself keep their own.
 OWN_PREFILL = {
@@ -45,7 +46,6 @@ OWN_PREFILL = {
     "razor": "razor:pattern=micro-lm",
     "bilevel": "bilevel",
     "longheads": "longheads",
-    "kvzip": "kvzip",  # the reconstruction pass follows its own prefill
     "minference": "minference",  # a sparse prefill
 }
 
@@ -97,7 +97,7 @@ def test_shared_output_is_token_identical_to_a_separate_run(setup, index):
     assert mine.kv_cache_bytes_final == own.kv_cache_bytes_final
     tele = mine.telemetry
     assert tele["spec"] == own.telemetry["spec"]
-    if mine.method_name in ("snapkv", "pyramidkv", "h2o", "tova", "knorm", "chunkkv", "adakv", "streaming"):
+    if mine.method_name in ("snapkv", "pyramidkv", "h2o", "tova", "knorm", "chunkkv", "adakv", "streaming", "kvzip"):
         assert tele["evicted_tokens"] > 0  # the budget really bit
         assert tele["kept_tokens_per_layer"] == own.telemetry["kept_tokens_per_layer"]
     if mine.method_name == "kvquant":
@@ -115,6 +115,7 @@ def test_prefilled_caches_equal_each_method_s_own_prefill(request, model_name):
     with torch.inference_mode():
         model(ids, **cache_kwarg(model, leader))
         leader.close()
+        shared.finish(model, ids)  # KVzip reconstructs and evicts here, as after its own forward
         for method, holder in zip(methods, shared.holders):
             own = method.make_cache(model)
             model(ids, **cache_kwarg(model, own))
@@ -125,6 +126,25 @@ def test_prefilled_caches_equal_each_method_s_own_prefill(request, model_name):
                 assert len(tensors) == len(expected) > 0
                 assert all(torch.equal(x, y) for x, y in zip(tensors, expected)), method.spec
                 assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+
+
+def test_kvzip_member_needs_finish_before_its_decode_cache(tiny):
+    """KVzip evicts only after its reconstruction: decoding its holder without :meth:`SharedPrefill.finish` would run
+    full attention under its name, so it is refused; the other members do not need it."""
+    model, _, ids = tiny
+    shared = SharedPrefill([build_method("snapkv:budget=48"), build_method("kvzip:budget=48")])
+    leader = shared.make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, leader))
+    leader.close()
+    shared.decode_cache(0, model).close()
+    with pytest.raises(ValueError, match="finish"):
+        shared.decode_cache(1, model)
+    with torch.inference_mode():
+        shared.finish(model, ids)
+        cache = shared.decode_cache(1, model)
+    assert held_tokens(cache.layers[0]) == 48
+    cache.close()
 
 
 def test_budgets_change_the_output(setup):
@@ -189,7 +209,7 @@ def test_shares_prefill_over_the_registry():
              if name not in ("duo", "streamingllm")}
     sharing = {name for name, method in built.items() if shares_prefill(method)}
     assert sharing == {"full", "streaming", "snapkv", "pyramidkv", "h2o", "tova", "knorm", "quest", "adakv",
-                       "chunkkv", "kvquant", "keydiff", "expected_attention"}
+                       "chunkkv", "kvquant", "keydiff", "expected_attention", "kvzip"}
     assert set(built) - sharing == set(OWN_PREFILL)
     assert not shares_prefill("snapkv") and not shares_prefill(object())
 
@@ -247,7 +267,7 @@ def test_sliding_window_layers_start_from_the_prefilled_window(sliding):
 # Lossy specs of the matrix test (a 40-token prompt): a scorer, one that computes decode attention itself, and the
 # three whose caches own their attention (AdaKV, KVQuant, Quest).
 ARCH_SERVED = ["snapkv:budget=12:window=4", "h2o:budget=12:recent=4", "adakv:method=snapkv,budget=12,window=4",
-               "kvquant:bits=4:group=8:residual=4", "quest:budget=8:page_size=4"]
+               "kvquant:bits=4:group=8:residual=4", "quest:budget=8:page_size=4", "kvzip:budget=12:chunk=16"]
 
 
 #: the matrix's architectures whose attention differs in a way the shared prefill meets (Llama and Qwen2 are the

@@ -114,14 +114,17 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
             group_s = time.perf_counter() - t0
     finally:
         leader.close()
-    first = out[:, ids.shape[1]:]
     shared_s = max(0.0, group_s - sum(shared.compress_s))
+    with torch.no_grad(), PeakMemory(device) if meter else contextlib.nullcontext() as finish_mem:
+        shared.finish(model, ids)  # after the forward (KVzip's reconstruction): added to that member's compress_s
+    group_peak = max((p for p in (group_mem.peak, finish_mem.peak) if p is not None), default=None) if meter else None
+    first = out[:, ids.shape[1]:]
     stop = max_new_tokens == 1 or int(first[0, 0]) in _eos_ids(gen_kwargs)
     continued = torch.cat([ids, first], dim=1)
     runs = []
     for i, (method, _) in enumerate(members):
         run = {"shared_prefill_s": shared_s, "compress_s": shared.compress_s[i], "shared_group_s": group_s,
-               "shared_prefill_peak_bytes": group_mem.peak if meter else None,
+               "shared_prefill_peak_bytes": group_peak,
                "shared_prefill_peak_method": group_mem.method if meter else "unavailable", "metered": meter,
                "error": None}
         run["ttft_s"] = run["prefill_s"] = shared_s + shared.compress_s[i]

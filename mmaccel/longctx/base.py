@@ -1029,6 +1029,16 @@ class KVMethod:
         """A fresh cache layer for full-attention layer ``layer_idx``."""
         return EvictingLayer()
 
+    def prefill_holder(self, model: torch.nn.Module) -> "KVMethodCache":
+        """The cache a shared full-attention prefill (:mod:`mmaccel.longctx.shared_prefill`) fills for this method:
+        its layers, no hooks of its own. Only for methods with ``prefill_is_full``."""
+        return KVMethodCache(model, self, attach=False)
+
+    def finish_shared_prefill(self, holder: "KVMethodCache", model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+        """What the method does after a shared prefill forward of ``input_ids`` [B, L] filled ``holder`` and before
+        it decodes, where its own run would do it after its prefill forward (KVzip's reconstruction); nothing by
+        default (the method chose what to keep inside the forward)."""
+
     def make_cache(self, model: torch.nn.Module, *, speculative: bool = False) -> Cache:
         """A fresh cache for one ``generate`` run of ``model`` (close it, or use ``with``, when done).
 

@@ -195,6 +195,8 @@ def compress_shared(methods, model, context_ids) -> list[CompressedContext]:
             _prefill(model, ids, leader)
     finally:
         leader.close()
+    with torch.inference_mode():
+        shared.finish(model, ids)
     out = []
     for i, method in enumerate(resolved):
         cache = shared.decode_cache(i, model)

@@ -96,16 +96,16 @@ class KVzipCache(KVMethodCache):
         (first instruction, next instruction, chat suffix) token ids; ``None`` reconstructs with no instruction.
     """
 
-    def __init__(self, model: torch.nn.Module, method: KVzip, prompt_ids):
+    def __init__(self, model: torch.nn.Module, method: KVzip, prompt_ids, *, attach: bool = True):
         self.prompt_ids = prompt_ids
         self.unscored = 0  # tokens the prefill steps appended since the last reconstruction
         self._attention: dict[int, torch.nn.Module] = {}
-        super().__init__(model, method)
+        super().__init__(model, method, attach=attach)
+        self._attention = {i: m for i, m in attention_modules(model).items() if
+                           i < len(self.layers) and isinstance(self.layers[i], EvictingLayer)}
 
     def _attach(self, model: torch.nn.Module) -> None:
         super()._attach(model)
-        self._attention = {i: m for i, m in attention_modules(model).items() if
-                         i < len(self.layers) and isinstance(self.layers[i], EvictingLayer)}
         ref = weakref.ref(self)
 
         def after_model(module, args, kwargs, output):
@@ -242,8 +242,9 @@ class KVzip(KVScorer):
     The instruction's token ids come from the tokenizer saved beside the model's weights
     (``model.config.name_or_path``, a local directory: no download), or ``make_cache(model, tokenizer=tok)``;
     without one the context is repeated right after itself, with a warning in the telemetry. Needs ``input_ids``
-    (not ``inputs_embeds``: a VLM's image tokens cannot be re-fed). Not served by the shared prefill (it runs its own
-    forwards), not wrappable by ``chunkkv``/``adakv`` (they score at each layer's prefill step, before any
+    (not ``inputs_embeds``: a VLM's image tokens cannot be re-fed). Served by the shared prefill
+    (:mod:`mmaccel.longctx.shared_prefill`): its prefill forward is full attention, and the reconstruction runs on the
+    filled holder after that forward (:meth:`finish_shared_prefill`), as it does after its own. Not wrappable by ``chunkkv``/``adakv`` (they score at each layer's prefill step, before any
     reconstruction: the first prefill raises) nor by ``kvquant`` (refused when built). A second prefill forward (a
     later chunk or turn) reconstructs its own tokens; earlier slots keep their scores.
 
@@ -258,6 +259,7 @@ class KVzip(KVScorer):
     sink: int = 4
 
     method_name = "kvzip"
+    prefill_is_full = True  # full-attention prefill; the reconstruction and eviction come after the forward
 
     def __post_init__(self):
         super().__post_init__()
@@ -277,12 +279,26 @@ class KVzip(KVScorer):
         if speculative:
             raise ValueError("kvzip runs its own reconstruction forwards after the prefill, which the speculative "
                              "engine would take for drafts; use snapkv, knorm, keydiff or expected_attention there")
+        return self._cache(model, tokenizer, attach=True)
+
+    def _cache(self, model: torch.nn.Module, tokenizer, *, attach: bool) -> KVzipCache:
         prompts = _encode_prompts(tokenizer) if tokenizer is not None else _prompt_ids(
             str(getattr(model.config, "name_or_path", "") or ""))
-        cache = KVzipCache(model, self, prompts)
+        cache = KVzipCache(model, self, prompts, attach=attach)
         if prompts is None:
             cache.warn("no tokenizer beside the model: the context is reconstructed without an instruction")
         return cache
+
+    def prefill_holder(self, model: torch.nn.Module) -> KVzipCache:
+        """A :class:`KVzipCache` without hooks for a shared prefill to fill (the instruction from the tokenizer
+        saved beside the model, as :meth:`make_cache`)."""
+        return self._cache(model, None, attach=False)
+
+    def finish_shared_prefill(self, holder: KVzipCache, model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+        """Reconstruct the shared prefill's tokens against ``holder``'s K/V and evict, as the after-forward hook of
+        this method's own cache does."""
+        if holder.unscored:
+            holder.reconstruct(model, input_ids)
 
     def on_step(self, step: LayerStep) -> None:
         """At a prefill step: fix the layer's budget and count its tokens; the cache evicts after the forward."""

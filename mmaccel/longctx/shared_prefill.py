@@ -5,10 +5,13 @@ forward -- full attention over the prompt -- and differ only in what they keep o
 ``prefill_is_full`` class attribute says so). :class:`SharedPrefill` runs that forward once: at every layer, after
 attention, each method gets the layer's full K/V in its own cache layer and scores and keeps its share, exactly as its
 own ``on_step`` would have in its own run. After one prefill there are N caches, each what that method's own prefill
-would have produced, and each decodes on its own (:meth:`SharedPrefill.decode_cache`).
+would have produced, and each decodes on its own (:meth:`SharedPrefill.decode_cache`). KVzip too: its prefill forward
+is full attention, and its reconstruction forwards run on its filled cache after the shared forward
+(:meth:`SharedPrefill.finish`), as they run after its own.
 
 >>> shared = SharedPrefill([SnapKV(budget=64), TOVA(budget=64)])
 >>> out = model.generate(ids, past_key_values=shared.make_cache(model), max_new_tokens=1)  # the one prefill
+>>> shared.finish(model, ids)  # what a member does after its forward (nothing here; KVzip reconstructs)
 >>> cache = shared.decode_cache(0, model)  # SnapKV's cache, ready to decode from ids + out[:, -1:]
 
 Memory: the full K/V of a layer lives only while that layer is fanned out (the leading cache drops it afterwards);
@@ -39,7 +42,7 @@ def shares_prefill(method) -> bool:
     bool
         True exactly when ``method.prefill_is_full`` is True: its prefill forward is full attention and it only
         compresses what it keeps (``full``, ``streaming``, ``snapkv``, ``pyramidkv``, ``h2o``, ``tova``, ``knorm``,
-        ``chunkkv`` / ``adakv`` over them, ``kvquant``, ``quest``). False for methods that change the prefill itself
+        ``chunkkv`` / ``adakv`` over them, ``kvquant``, ``quest``, ``kvzip``). False for methods that change the prefill itself
         (``chunked``, ``chunked_ffn``, ``retrieval_heads``, ``bilevel``, ``longheads``) and for non-KV methods.
     """
     return isinstance(method, KVMethod) and getattr(method, "prefill_is_full", False) is True
@@ -119,7 +122,8 @@ class SharedPrefill(KVMethod):
         """
         if speculative:
             raise ValueError("a shared prefill has no speculative cache; decode each member's cache instead")
-        self.holders = [KVMethodCache(model, m, attach=False) for m in self.methods]
+        self.holders = [m.prefill_holder(model) for m in self.methods]
+        self._finished = False
         self.compress_s = [0.0] * len(self.methods)
         self._device = getattr(model, "device", None)
         leader = KVMethodCache(model, self)
@@ -157,6 +161,25 @@ class SharedPrefill(KVMethod):
         lead.keys, lead.values = lead.keys[..., :0, :], lead.values[..., :0, :]
         lead.positions = lead.positions[..., :0]
 
+    def finish(self, model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+        """After the prefill forward of ``input_ids`` [B, L] (and after closing the leading cache): let every member
+        finish its prefill as its own run would after its forward (:meth:`~mmaccel.longctx.base.KVMethod.
+        finish_shared_prefill`: KVzip's reconstruction and eviction), with the leader's prefilled sliding windows in
+        place of its empty ones (a forward it runs reads them; they must not be written in place). Its seconds are
+        added to :attr:`compress_s`. Call it once, before :meth:`decode_cache`."""
+        self._finished = True
+        for i, (method, holder) in enumerate(zip(self.methods, self.holders)):
+            if holder is None:
+                continue
+            for j, window in self._windows.items():  # the prefilled windows, as the member's own run holds them
+                if window.keys is not None:
+                    holder.layers[j] = window
+            synchronize(self._device)
+            start = time.perf_counter()
+            method.finish_shared_prefill(holder, model, input_ids)
+            synchronize(self._device)
+            self.compress_s[i] += time.perf_counter() - start
+
     def decode_cache(self, index: int, model: torch.nn.Module) -> Cache:
         """Member ``index``'s cache, ready to decode: its own ``make_cache(model)`` holding what its prefill kept.
 
@@ -179,11 +202,16 @@ class SharedPrefill(KVMethod):
         Raises
         ------
         ValueError
-            If no prefill ran since :meth:`make_cache`, or ``index`` is out of range.
+            If no prefill ran since :meth:`make_cache`, ``index`` is out of range, or the member finishes its
+            prefill after the forward (KVzip) and :meth:`finish` was not called.
         """
         if not 0 <= index < len(self.holders) or self.holders[index] is None:
             raise ValueError(f"no prefilled cache {index}: run the prefill with make_cache(model) first; each "
                              "member's cache is handed over once")
+        method = self.methods[index]
+        if not self._finished and type(method).finish_shared_prefill is not KVMethod.finish_shared_prefill:
+            raise ValueError(f"{method.name} finishes its prefill after the forward: call finish(model, input_ids) "
+                             "after the shared prefill, then decode_cache")
         holder, self.holders[index] = self.holders[index], None  # the decode cache alone holds the K/V from now on
         cache = self.methods[index].make_cache(model)
         for i, (mine, prefilled) in enumerate(zip(cache.layers, holder.layers)):
