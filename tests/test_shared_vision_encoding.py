@@ -95,15 +95,19 @@ def test_video_niah_shares_one_encoding_per_clip_with_the_same_answers(vlm):  # 
     model, processor = vlm
     methods = ["none", "pooling:keep_ratio=0.25+streaming:window=8:sink=2", "visionzip:keep_ratio=0.25"]
 
-    def sweep(share):
+    def sweep(share, vision_batch=None):
         with _TowerCalls(model.model.vision_tower) as calls:
             result = video_niah(model, processor, methods, [2], [0.0, 1.0], size=56, max_new_tokens=3, warmup=0,
-                                progress=False, share_encoding=share)
+                                progress=False, share_encoding=share, vision_batch=vision_batch)
         return result, calls.calls
 
     (own, own_calls), (shared, shared_calls) = sweep(False), sweep(True)
     assert own_calls == 6 and shared_calls == 3 + 1 + 1
     assert [r["output_ids"] for r in shared.records] == [r["output_ids"] for r in own.records]
+    # frames encoded one at a time (BatchedVisionEncoding around the sweep): the same answers, one tower call a frame
+    batched, batched_calls = sweep(True, vision_batch=1)
+    assert batched_calls == 2 * (3 + 1 + 1)
+    assert [r["output_ids"] for r in batched.records] == [r["output_ids"] for r in own.records]
     assert all(r["status"] == "ok" for r in shared.records)
     for r in shared.records:
         sharing = r["extra"]["depth"] == 1.0 and not r["method"].startswith("visionzip")

@@ -645,9 +645,9 @@ def video_niah(
         clip, clip_seed, inputs = clips[key]
         config = cell.payload
         share = shared is not None and sharable[config.label] and (depth, trial) != (depths[0], 0)
+        if share and shared.encode_s is None:
+            shared.encode(inputs["pixel_values"])
         with shared.applied() if share else contextlib.nullcontext():
-            if share and shared.encode_s is None:
-                shared.encode(inputs["pixel_values"])
             rec = run_config(model, processor, inputs, config, answer=clip.answer, max_new_tokens=max_new_tokens,
                              repeats=repeats, warmup=0 if config.label in warmed else warmup,
                              warmup_inputs=warm_inputs, memory_meter=memory_meter)
