@@ -503,10 +503,9 @@ def test_summary_pairs_each_cell_with_pooling_at_its_budget_and_gives_a_standard
     assert "| visionzip | 0.5 | 75.0% ± 21.7 | 75% |" in table and "| 1/1 | 0 |" in table
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (2026-11-29, issue 37): chunked prefill after a pre-LLM method "
-                   "with positions=contiguous changes the answers once the prompt spans more than one chunk "
-                   "(smol-llava, 256 frames: garbage); not yet diagnosed")
 def test_chunked_prefill_keeps_the_answers_with_contiguous_positions(vlm):
+    """The middle pieces of a chunked prefill after a contiguous-position reduction are prefill, not decode steps: their
+    positions were shifted a second time (smol-llava at 256 frames answered garbage, 2026-11-29)."""
     model, processor = vlm
     plain, _ = _video_niah_seeing_the_lm(model, processor, "pooling:keep_ratio=0.25:positions=contiguous")
     chunked, seen = _video_niah_seeing_the_lm(model, processor,

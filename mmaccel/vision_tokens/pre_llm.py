@@ -246,7 +246,9 @@ class ImageReducer(VisionTokenMethod):
                     pos = torch.arange(embeds.shape[1], device=embeds.device)[None]
                 kwargs["attention_mask"] = module._mmaccel_attention_mask = plan.take(mask)
                 kwargs["position_ids"] = _reduced_positions(self, state, plan, pos, kwargs["attention_mask"])
-            elif state.plan is not None and _past_length(kwargs) > 0:
+            elif state.plan is not None and _past_length(kwargs) >= max(1, state.plan.num_kept):
+                # a decode step; a forward on a shorter cache is a later piece of a chunked prefill of the reduced
+                # prompt (its inputs are already reduced and numbered): left alone
                 kwargs = _compressed_lm_kwargs(state, kwargs)
             return args, kwargs
 
