@@ -560,7 +560,7 @@ def video_niah(
         (``telemetry["shared_vision_encoder_s"]``) and its ``peak_memory_bytes`` is ``None`` (the stored encoding
         predates the run, so the meter cannot see it): the first clip of each frame count (first depth, trial 0)
         runs every method with its own encoding, and the summary's peak memory is that clip's. Not with
-        ``stream`` (which encodes as it goes).
+        ``stream`` (which encodes as it goes), and only on fixed-grid LLaVA models (others encode per method).
 
     Returns
     -------
@@ -601,7 +601,12 @@ def video_niah(
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     batched = None if vision_batch is None or stream else BatchedVisionEncoding(model, vision_batch)
-    shared = SharedVisionEncoding(model, vision_batch) if share_encoding and not stream else None
+    shared = None
+    if share_encoding and not stream:
+        try:
+            shared = SharedVisionEncoding(model, vision_batch)
+        except ValueError:  # not a fixed-grid LLaVA (Qwen2-VL, AnyRes): every method encodes its clip itself
+            shared = None
     sharable = {c.label: reads_tower_output_only(resolve_vision(c.vision)[0]) for c in configs}
     warm_clip = make_clip(WARMUP_FRAMES, seed=split_seed("test", seed, 0), depth=0.5, size=size, kind=kind)
     warm_inputs = chat_inputs(processor, clip_images(warm_clip), warm_clip.question)
