@@ -20,7 +20,8 @@ On CUDA every timestamp is taken after ``torch.cuda.synchronize``.
   prefill to itself; ``prefill_s`` equals it (text only, no vision tower).
 - ``decode_s``: this method's own decode, ``generate`` from the prompt plus the first token over its prefilled cache
   (``new_tokens - 1`` forwards); ``tokens_per_s = (new_tokens - 1) / decode_s``.
-- ``extra["shared_group_s"]``: the whole prefill forward with every member's work (what the group paid once).
+- ``extra["shared_group_s"]``: the whole prefill forward with every member's work, and the members' work after it
+  (KVzip's reconstruction): what the group paid once.
 
 Every timing is the median over ``repeats`` runs after ``warmup`` unrecorded ones; per-run values are in
 ``samples``. ``kv_cache_bytes_prefill`` / ``kv_cache_bytes_final`` are :func:`mmaccel.longctx.kv_cache_bytes` of the
@@ -116,7 +117,10 @@ def _one_shared_run(model, members, ids: torch.Tensor, max_new_tokens: int, gen_
         leader.close()
     shared_s = max(0.0, group_s - sum(shared.compress_s))
     with torch.no_grad(), PeakMemory(device) if meter else contextlib.nullcontext() as finish_mem:
+        t0 = time.perf_counter()
         shared.finish(model, ids)  # after the forward (KVzip's reconstruction): added to that member's compress_s
+        synchronize(device)
+        group_s += time.perf_counter() - t0  # the group paid it too
     group_peak = max((p for p in (group_mem.peak, finish_mem.peak) if p is not None), default=None) if meter else None
     first = out[:, ids.shape[1]:]
     stop = max_new_tokens == 1 or int(first[0, 0]) in _eos_ids(gen_kwargs)
