@@ -24,7 +24,8 @@ LAYERS, HQ, HKV, HEAD_DIM = 2, 4, 2, 16
 COMPRESSING = {
     "keydiff": "keydiff:budget=12",
     "expected_attention": "expected_attention:budget=12",
-    "kvzip": "kvzip:budget=12:chunk=16",
+    "kvzip": "kvzip:budget=12:chunk=16",  # global budgets over layers and KV heads, heads stored apart
+    "kvzip-uniform": "kvzip:budget=12:chunk=16:budgets=uniform",
 }
 UNBOUNDED = {"keydiff": "keydiff:budget=1000", "expected_attention": "expected_attention:budget=1000",
              "kvzip": "kvzip:budget=1000"}
@@ -179,14 +180,16 @@ def rotate_matrix():
 
 
 # ------------------------------------------------------------------------------------------------------ KVzip
+@pytest.mark.parametrize("budgets", ["global", "uniform"])
 @pytest.mark.parametrize("chunk", [40, 16])
-def test_kvzip_scores_are_the_max_attention_of_the_reconstruction(eager, chunk):
+def test_kvzip_scores_are_the_max_attention_of_the_reconstruction(eager, chunk, budgets):
     """Reference: one eager forward of [context, repeat of chunk c (after the previous chunk's last 8 tokens)]; each
     context slot of chunk c scores the max attention any repeat query of its GQA group pays it, normalised over the
-    sinks, chunk c and the repeat; sinks kept."""
+    sinks, chunk c and the repeat; sinks kept. ``uniform``: each layer and KV head keeps its ``budget`` best;
+    ``global``: the ``budget x Hkv x layers`` best over every layer and KV head, each head holding its own."""
     ids = random_prompt(40, seed=6)
     budget = 10
-    method = KVzip(budget=budget, chunk=chunk, sink=4)
+    method = KVzip(budget=budget, chunk=chunk, sink=4, budgets=budgets)
     with method.make_cache(eager) as cache:
         eager(ids, past_key_values=cache, use_cache=True)
     reference = torch.zeros(LAYERS, HKV, 40)
@@ -201,21 +204,37 @@ def test_kvzip_scores_are_the_max_attention_of_the_reconstruction(eager, chunk):
             column = rows[..., start:end].amax(dim=1)  # [Hq, end - start]
             reference[i, :, start:end] = column.view(HKV, HQ // HKV, -1).amax(dim=1)
     reference[..., :4] = float("inf")
+    if budgets == "uniform":
+        for i, layer in enumerate(cache.layers):
+            assert layer.positions[0].tolist() == _top(reference[i], budget).tolist()
+            assert layer.held == budget
+        return
+    chosen = torch.zeros(LAYERS * HKV * 40, dtype=torch.bool)
+    chosen[reference.flatten().topk(budget * HKV * LAYERS).indices] = True
+    chosen = chosen.view(LAYERS, HKV, 40)
+    counts = []
     for i, layer in enumerate(cache.layers):
-        assert layer.positions[0].tolist() == _top(reference[i], budget).tolist()
-        assert layer.held == budget
+        assert layer.ragged or bool(layer.slot_state["valid"].all())
+        for head, positions in enumerate(layer.head_positions()[0]):
+            assert positions.tolist() == chosen[i, head].nonzero().flatten().tolist()
+            counts.append(len(positions))
+    assert sum(counts) == budget * HKV * LAYERS and len(set(counts)) > 1  # the budget, unevenly spread
 
 
-def test_kvzip_holds_only_the_kept_bytes(sdpa):
+@pytest.mark.parametrize("budgets", ["global", "uniform"])
+def test_kvzip_holds_only_the_kept_bytes(sdpa, budgets):
     ids = random_prompt(40, seed=7)
     full = _full_keys(sdpa, ids)
-    method = build_method("kvzip:ratio=0.25")
+    method = build_method(f"kvzip:ratio=0.25:budgets={budgets}")
     with method.make_cache(sdpa) as cache:
         sdpa(ids, past_key_values=cache, use_cache=True)
         telemetry = method.telemetry(cache)
-    assert [layer.held for layer in cache.layers] == [10] * LAYERS  # ceil(0.25 * 40)
+    assert sum(telemetry["kept_tokens_per_layer"]) == 10 * LAYERS  # ceil(0.25 * 40) per KV head on average
     assert kv_cache_bytes(cache) == LAYERS * 2 * HKV * 10 * HEAD_DIM * 4 == kv_cache_bytes(full) // 4
     assert telemetry["kv_cache_bytes"] == kv_cache_bytes(cache) and telemetry["evicted_tokens"] == LAYERS * 30
+    if budgets == "global":
+        assert telemetry["padding_fraction"] == 0
+        assert sum(map(sum, telemetry["valid_tokens_per_head"])) == 10 * HKV * LAYERS
 
 
 class _ChatTokenizer:
@@ -267,6 +286,8 @@ def test_chunkkv_keeps_whole_chunks_of_keydiff(sdpa):
 @pytest.mark.parametrize("spec, message", [
     ("kvquant:bits=4:method=kvzip,ratio=0.25", "not kvzip"),
     ("kvzip:chunk=0", "chunk"),
+    ("kvzip:budgets=layer", "'global' or 'uniform'"),
+    ("kvquant:bits=4:method=kvzip,ratio=0.25,budgets=uniform", "not kvzip"),
     ("kvzip:ratio=0.25:budget=8", "not both"),
     ("expected_attention:future=0", "future"),
     ("expected_attention:vnorm=1", "vnorm"),

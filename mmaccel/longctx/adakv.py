@@ -58,14 +58,49 @@ def adakv_keep_indices(scores: torch.Tensor, keep: int, alpha: float = 0.2) -> t
         flat = scores.masked_fill(chosen, float("-inf")).reshape(B, H * S)
         top = flat.topk(rest, dim=-1).indices
         chosen.view(B, H * S).scatter_(1, top, True)
+    return chosen_keep_indices(chosen)
+
+
+def chosen_keep_indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and KV head, the slots marked in ``chosen`` as padded index lists for :meth:`EvictingLayer.keep`.
+
+    Parameters
+    ----------
+    chosen : torch.BoolTensor
+        [B, Hkv, S] the slots to keep; heads may keep different numbers.
+
+    Returns
+    -------
+    (torch.LongTensor, torch.BoolTensor)
+        ``indices`` [B, Hkv, K] and ``valid`` [B, Hkv, K], ``K`` = the most slots any head keeps (at least 1). Per
+        head, the chosen indices come first, ascending; padding repeats the head's last chosen index (or 0) and is
+        invalid.
+    """
+    B, H, S = chosen.shape
     counts = chosen.sum(-1)  # [B, H]
-    width = int(counts.max())
-    order = torch.arange(S, device=scores.device).expand(B, H, S)
+    width = max(1, int(counts.max()))
+    order = torch.arange(S, device=chosen.device).expand(B, H, S)
     # chosen slots first (ascending), then the rest: sort by (not chosen, index)
     ranked = torch.argsort((~chosen).long() * S + order, dim=-1)[..., :width]
-    valid = torch.arange(width, device=scores.device) < counts[..., None]
+    valid = torch.arange(width, device=chosen.device) < counts[..., None]
     last = ranked.gather(2, (counts - 1).clamp(min=0)[..., None])
     return torch.where(valid, ranked, last), valid
+
+
+def ragged_telemetry(cache) -> dict:
+    """Slot counts of a cache's :class:`RaggedLayer` s: ``kept_tokens_per_layer`` (mean real slots per KV head, row
+    0), ``evicted_tokens`` (seen - kept, summed over layers), ``valid_tokens_per_head`` ([layer][KV head] real slots
+    of row 0) and ``padding_fraction`` (padded slots / held slots: 0 once the heads are stored apart; > 0 only for a
+    layer still rectangular with invalid slots)."""
+    layers = [l for l in getattr(cache, "layers", []) if isinstance(l, RaggedLayer) and l.is_initialized]
+    counts = [l.valid_counts() for l in layers]
+    real = sum(int(c.sum()) for c in counts)
+    held = real + sum(c.numel() * l.held - int(c.sum()) for c, l in zip(counts, layers) if not l.ragged)
+    kept = [round(float(c[0].float().mean()), 3) for c in counts]
+    seen = [l.cumulative_length for l in layers]
+    return {"kept_tokens_per_layer": kept, "evicted_tokens": round(sum(s - k for s, k in zip(seen, kept)), 3),
+            "valid_tokens_per_head": [c[0].tolist() for c in counts],
+            "padding_fraction": (held - real) / held if held else 0.0}
 
 
 class RaggedLayer(EvictingLayer, AttentionOwningLayer):
@@ -316,14 +351,5 @@ class AdaKV(ScorerWrapper):
         ``padding_fraction`` (padded slots / held slots: 0 once the heads are stored apart; > 0 only for a layer
         still rectangular with invalid slots)."""
         out = super().telemetry(cache)
-        layers = [l for l in getattr(cache, "layers", []) if isinstance(l, RaggedLayer) and l.is_initialized]
-        counts = [l.valid_counts() for l in layers]
-        real = sum(int(c.sum()) for c in counts)
-        held = real + sum(c.numel() * l.held - int(c.sum()) for c, l in zip(counts, layers) if not l.ragged)
-        kept = [round(float(c[0].float().mean()), 3) for c in counts]
-        seen = [l.cumulative_length for l in layers]
-        out.update(spec=self.spec, method=self.name, inner_method=self.method.spec, kept_tokens_per_layer=kept,
-                   evicted_tokens=round(sum(s - k for s, k in zip(seen, kept)), 3),
-                   valid_tokens_per_head=[c[0].tolist() for c in counts],
-                   padding_fraction=(held - real) / held if held else 0.0)
+        out.update(spec=self.spec, method=self.name, inner_method=self.method.spec, **ragged_telemetry(cache))
         return out

@@ -17,7 +17,9 @@ from transformers.cache_utils import DynamicLayer
 
 from ..kernels import attention_column_scores
 from ..kernels.hf import attention_modules, cache_kwarg, hooked_cache
+from .adakv import RaggedLayer, chosen_keep_indices, ragged_telemetry
 from .base import EvictingLayer, KVMethodCache, KVScorer, LayerStep, _check_int, query_group_scores, window_queries
+from .owned import OwnedAttentionCache
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +153,39 @@ class KVzipCache(KVMethodCache):
                 columns = self._score_forward(model, scratch, self._repeat_ids(context, start, end), slots)
                 for i, part in columns.items():  # [B, Hkv, end - start]
                     scores[i] = part if scores[i] is None else torch.cat([scores[i], part], dim=-1)
-        for i, module in self._attention.items():
+        for i in self._attention:
             layer = self.layers[i]
             state = layer.slot_state[_STATE]
             state[..., -n:] = scores[i]
             state.masked_fill_(layer.positions < method.sink, float("inf"))
-            if layer.held > layer.target:
-                method.compress(LayerStep(self, layer, i, module, None, None, None, "prefill"), layer.target)
+        if method.budgets == "global":
+            self._keep_global()
+        else:
+            for i, module in self._attention.items():
+                layer = self.layers[i]
+                if layer.held > layer.target:
+                    method.compress(LayerStep(self, layer, i, module, None, None, None, "prefill"), layer.target)
         self.unscored = 0
+
+    def _keep_global(self) -> None:
+        """``budgets="global"``: keep the best-scored slots over every layer and KV head at once (per row, as many
+        as the layers' budgets add up to), each head holding only its own (:class:`RaggedLayer`)."""
+        layers = [self.layers[i] for i in self._attention]
+        scores = [l.slot_state[_STATE].float().masked_fill(~l.slot_state["valid"], float("-inf")) for l in layers]
+        total = sum(l.target * s.shape[1] for l, s in zip(layers, scores))  # slots per row
+        flat = torch.cat([s.flatten(1) for s in scores], dim=1)  # [B, sum of Hkv * S]
+        if int((flat != float("-inf")).sum(-1).max()) <= total:
+            return  # the budget holds every real slot
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen.scatter_(1, flat.topk(total, dim=-1).indices, True)
+        start = 0
+        for layer, s in zip(layers, scores):
+            mine = chosen[:, start:start + s[0].numel()].view_as(s)
+            start += s[0].numel()
+            indices, valid = chosen_keep_indices(mine)
+            layer.keep(indices)
+            layer.slot_state["valid"] = valid
+            layer.pack()
 
     def _repeat_ids(self, context: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """[B, q] the reconstruction input for context tokens ``start:end``: instruction (+ overlap), suffix, tokens."""
@@ -217,11 +244,14 @@ class KVzip(KVScorer):
     last ``overlap`` tokens of the chunk before). Each held slot scores the largest attention probability any
     reconstruction query of its KV head's GQA group pays it in the reconstruction of the chunk that holds it (the
     softmax normalised over the sinks, that chunk's slots and the reconstruction, as kvpress does, so that every
-    chunk and every prefill forward is scored on one scale); the first ``sink`` positions are always kept. Then each
-    layer keeps its ``budget`` best slots per row and KV head, physically: the evicted K/V are freed (a uniform
-    per-layer, per-head budget, so ``kv_cache_bytes`` is the ratio asked; the paper's and kvpress's head- and
-    layer-wise budgets are not built, and kvpress masks instead of evicting). Query-agnostic: the scores never see
-    a question, so a compressed context serves any later one. Decode tokens are appended.
+    chunk and every prefill forward is scored on one scale); the first ``sink`` positions are always kept. Then the
+    cache keeps, per row, the best ``budget x Hkv x layers`` slots over every layer and KV head at once (``budgets=
+    "global"``, the paper's non-uniform head and layer budgets and kvpress's default), or each layer and KV head its
+    own ``budget`` best (``budgets="uniform"``). The evicted K/V are freed: under global budgets each KV head holds
+    only its own slots (:class:`~mmaccel.longctx.adakv.RaggedLayer`, its decode attention computed per head), so
+    ``kv_cache_bytes`` is the ratio asked either way (kvpress masks instead of evicting and holds every byte).
+    Query-agnostic: the scores never see a question, so a compressed context serves any later one. Decode tokens are
+    appended.
 
     Costs: one reconstruction forward per chunk, about the prefill's compute again (the reconstruction is as long as
     the context), and transiently one layer's [B, Hkv, held + chunk, D] keys and the scores of one chunk.
@@ -236,6 +266,9 @@ class KVzip(KVScorer):
         Tokens of the previous chunk a later chunk's instruction repeats, >= 0 (default 8).
     sink : int
         First positions always kept, >= 0 (default 4).
+    budgets : str
+        ``"global"`` (default): one ranking over every layer and KV head, as the paper; ``"uniform"``: ``budget``
+        per layer and KV head. Scores are attention probabilities, comparable across heads and layers.
 
     Notes
     -----
@@ -246,7 +279,10 @@ class KVzip(KVScorer):
     (:mod:`mmaccel.longctx.shared_prefill`): its prefill forward is full attention, and the reconstruction runs on the
     filled holder after that forward (:meth:`finish_shared_prefill`), as it does after its own. Not wrappable by ``chunkkv``/``adakv`` (they score at each layer's prefill step, before any
     reconstruction: the first prefill raises) nor by ``kvquant`` (refused when built). A second prefill forward (a
-    later chunk or turn) reconstructs its own tokens; earlier slots keep their scores.
+    later chunk or turn) reconstructs its own tokens; earlier slots keep their scores (under global budgets the
+    heads are padded back to one layout for it, and its reconstruction also attends the padding, which repeats each
+    head's last kept slot: a small distortion, as for AdaKV). Global budgets own the attention, so a model with an
+    attention softcap or sinks (Gemma 2) is refused; ``budgets=uniform`` serves it.
 
     Raises
     ------
@@ -257,6 +293,7 @@ class KVzip(KVScorer):
     chunk: int = 2048
     overlap: int = 8
     sink: int = 4
+    budgets: str = "global"
 
     method_name = "kvzip"
     prefill_is_full = True  # full-attention prefill; the reconstruction and eviction come after the forward
@@ -266,9 +303,12 @@ class KVzip(KVScorer):
         _check_int(self.method_name, "chunk", self.chunk, 1, "e.g. kvzip:chunk=2048")
         _check_int(self.method_name, "overlap", self.overlap, 0, "e.g. kvzip:overlap=8")
         _check_int(self.method_name, "sink", self.sink, 0, "e.g. kvzip:sink=4")
+        if self.budgets not in ("global", "uniform"):
+            raise ValueError(f"kvzip: budgets must be 'global' or 'uniform', got {self.budgets!r}; e.g. "
+                             "kvzip:budgets=uniform")
 
     def make_layer(self, layer_idx: int) -> EvictingLayer:
-        return _KVzipLayer()
+        return _RaggedKVzipLayer() if self.budgets == "global" else _KVzipLayer()
 
     def make_cache(self, model: torch.nn.Module, *, speculative: bool = False, tokenizer=None) -> KVzipCache:
         """A fresh :class:`KVzipCache` for one ``generate`` run of ``model`` (close it, or use ``with``, when done).
@@ -284,7 +324,8 @@ class KVzip(KVScorer):
     def _cache(self, model: torch.nn.Module, tokenizer, *, attach: bool) -> KVzipCache:
         prompts = _encode_prompts(tokenizer) if tokenizer is not None else _prompt_ids(
             str(getattr(model.config, "name_or_path", "") or ""))
-        cache = KVzipCache(model, self, prompts, attach=attach)
+        kind = _OwnedKVzipCache if self.budgets == "global" else KVzipCache
+        cache = kind(model, self, prompts, attach=attach)
         if prompts is None:
             cache.warn("no tokenizer beside the model: the context is reconstructed without an instruction")
         return cache
@@ -325,6 +366,23 @@ class KVzip(KVScorer):
             raise ValueError("kvzip scores come from its reconstruction after the prefill; it cannot be wrapped by "
                              "chunkkv or adakv: run kvzip:ratio=... on its own")
         return state
+
+    def telemetry(self, cache) -> dict:
+        """The base telemetry; with ``budgets="global"``, the slot counts of the ragged layers (mean real slots per
+        KV head in ``kept_tokens_per_layer``, ``valid_tokens_per_head``, ``padding_fraction``)."""
+        out = super().telemetry(cache)
+        if self.budgets == "global":
+            out.update(ragged_telemetry(cache))
+        return out
+
+
+class _OwnedKVzipCache(KVzipCache, OwnedAttentionCache):
+    """:class:`KVzipCache` for ``budgets="global"``: its :class:`RaggedLayer` s compute the decode attention per KV
+    head (:class:`~mmaccel.longctx.owned.OwnedAttentionCache`)."""
+
+
+class _RaggedKVzipLayer(RaggedLayer):
+    """KVzip's cache layer under ``budgets="global"``: a :class:`RaggedLayer` (each KV head keeps its own slots)."""
 
 
 class _KVzipLayer(EvictingLayer):

@@ -197,6 +197,8 @@ class OwnedAttentionCache(KVMethodCache):
         The one model instance the cache is used with.
     method : KVMethod
         Builds the layers (``make_layer``); methods using this cache set ``uses_hooks = False``.
+    attach : bool
+        Hooks and module ownership (default); ``False`` builds the layers only (as :class:`KVMethodCache`).
 
     Raises
     ------
@@ -211,8 +213,10 @@ class OwnedAttentionCache(KVMethodCache):
     second cache made for the same model while the first is open raises.
     """
 
-    def __init__(self, model: torch.nn.Module, method):
-        super().__init__(model, method)
+    def __init__(self, model: torch.nn.Module, method, *, attach: bool = True):
+        super().__init__(model, method, attach=attach)
+        if not attach:  # layers only, for a shared prefill to fill (see KVMethodCache)
+            return
         try:
             modules = self._owned_modules(model, method)
         except BaseException:
