@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmaccel.kernels import attention, attention_column_scores, available_backends, tree_attention
-from mmaccel.kernels.column_scores import attention_column_scores_reference
+from mmaccel.kernels.column_scores import _query_tiles, attention_column_scores_reference
 from mmaccel.kernels.backends import resolve_backend
 from mmaccel.kernels.dense import causal_mask
 
@@ -134,12 +134,15 @@ def test_tree_attention_errors():
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("block_size", [None, 16])  # one block (one softmax), or four blocks (two passes)
+# one block (one softmax), four key blocks (two passes), or query tiles of 3 rows (one softmax per tile)
+@pytest.mark.parametrize("block_size", [None, 16, "tiles"])
 def test_column_scores_match_dense_probabilities(reduce, causal, block_size):
     W, L = 7, 50
     q, k, _ = qkv(2, 4, 2, W, L, 16)
     if block_size is None:
         out = attention_column_scores(q, k, causal=causal, reduce=reduce)
+    elif block_size == "tiles":
+        out = _query_tiles(q.float().reshape(2, 2, 2, W, 16), k, 3, causal, reduce, 0.25).reshape(2, 4, L)
     else:
         out = attention_column_scores_reference(q, k, causal=causal, reduce=reduce, block_size=block_size)
     allowed = causal_mask(W, L, "cpu") if causal else torch.ones(W, L, dtype=torch.bool)
@@ -151,6 +154,20 @@ def test_column_scores_match_dense_probabilities(reduce, causal, block_size):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     if reduce == "sum":  # every query row is a distribution
         torch.testing.assert_close(out.sum(-1), torch.full((2, 4), float(W)), atol=1e-4, rtol=0)
+
+
+def test_a_long_window_takes_query_tiles_with_the_key_blocks_result(monkeypatch):
+    """A window whose logits over every key pass 64 MiB (600 x 8,192 x 4 heads, fp32) is scored in query tiles, one
+    softmax each (KVzip's reconstruction), and gives what the two-pass key blocks give."""
+    import mmaccel.kernels.column_scores as cs
+
+    tiles = []
+    monkeypatch.setattr(cs, "_query_tiles", lambda *a: tiles.append(a[2]) or _query_tiles(*a))
+    q, k, _ = qkv(1, 4, 2, 600, 8192, 16)
+    out = attention_column_scores(q, k, causal=True, reduce="max")
+    assert tiles == [512]
+    torch.testing.assert_close(out, attention_column_scores_reference(q, k, causal=True, reduce="max",
+                                                                      block_size=2048), atol=1e-6, rtol=1e-5)
 
 
 def test_column_scores_errors():

@@ -52,9 +52,10 @@ def attention_column_scores_reference(
     scaling : float, optional
         Softmax scale; default ``1 / sqrt(D)``.
     block_size : int, optional
-        Keys processed per block. Default: as many as keep one block's fp32 logits within 64 MiB (at least 1,024),
-        so that a usual prompt is one block: one pass of a few large ops rather than many small ones, which on a
-        GPU cost more in launches than in arithmetic.
+        Keys per block, for the two-pass path over key blocks. Default (None): one pass over every key whenever
+        the logits of at least 64 query rows fit in 64 MiB (fp32), in tiles of as many query rows as fit (one tile
+        for a usual SnapKV window: a few large ops rather than many small ones, which on a GPU cost more in
+        launches than in arithmetic); otherwise key blocks of as many keys as fit (at least 1,024).
 
     Returns
     -------
@@ -69,8 +70,10 @@ def attention_column_scores_reference(
 
     Notes
     -----
-    One block: one softmax over the logits. Several blocks: two passes, the first finds each query row's
-    log-sum-exp, the second turns logits into probabilities and reduces them. An L x L matrix is never formed.
+    Query tiles: each tile's rows see every key, so one softmax per tile, reduced into the output (a long window,
+    such as KVzip's reconstruction, costs one pass over the logits). Key blocks: two passes, the first finds each
+    query row's log-sum-exp, the second turns logits into probabilities and reduces them. An L x L matrix is never
+    formed.
     """
     _check(q_window, k, reduce)
     B, Hq, W, D = q_window.shape
@@ -97,6 +100,11 @@ def attention_column_scores_reference(
         return p.sum(dim=3) if reduce == "sum" else p.mean(dim=3) if reduce == "mean" else p.amax(dim=3)
 
     if block_size is None:
+        rows = (64 << 20) // max(1, 4 * B * Hq * L)  # query rows whose logits over every key fit in 64 MiB
+        if rows >= W:  # one tile: one pass
+            return reduced(torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)).reshape(B, Hq, L)
+        if rows >= 64:
+            return _query_tiles(q.view(B, Hkv, group, W, D), k, rows, causal, reduce, scale).reshape(B, Hq, L)
         block_size = max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
     if block_size >= L:  # one block: one pass
         return reduced(torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)).reshape(B, Hq, L)
@@ -109,6 +117,30 @@ def attention_column_scores_reference(
         out[..., start:end] = reduced(torch.exp(logits(start, end) - lse[..., None]).reshape(B, Hkv, group, W,
                                                                                                   end - start))
     return out.reshape(B, Hq, L)
+
+
+def _query_tiles(q: torch.Tensor, k: torch.Tensor, rows: int, causal: bool, reduce: str,
+                 scale: float) -> torch.Tensor:
+    """Column scores over tiles of ``rows`` queries, one softmax over every key per tile: [B, Hkv, group, W, D]
+    fp32 queries (the last W positions with ``causal``), [B, Hkv, L, D] keys -> [B, Hkv, group, L] float32."""
+    B, Hkv, group, W, D = q.shape
+    L = k.shape[2]
+    keys = k.float().transpose(-1, -2)  # [B, Hkv, D, L]
+    out = torch.zeros(B, Hkv, group, L, device=k.device, dtype=torch.float32)
+    for start in range(0, W, rows):
+        end = min(start + rows, W)
+        tile = q[:, :, :, start:end].reshape(B, Hkv, group * (end - start), D)
+        s = torch.matmul(tile, keys).mul_(scale).view(B, Hkv, group, end - start, L)
+        if causal:  # query i of the window sits at L - W + i: only keys after L - W + start can be in its future
+            first = L - W + start + 1
+            future = torch.ones(end - start, L - first, dtype=torch.bool, device=k.device).triu_()
+            s[..., first:].masked_fill_(future, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if reduce == "max":
+            torch.maximum(out, p.amax(dim=3), out=out)
+        else:
+            out += p.sum(dim=3)
+    return out / W if reduce == "mean" else out
 
 
 def attention_column_scores(
