@@ -279,15 +279,15 @@ class KVzip(KVScorer):
     (:mod:`mmaccel.longctx.shared_prefill`): its prefill forward is full attention, and the reconstruction runs on the
     filled holder after that forward (:meth:`finish_shared_prefill`), as it does after its own. Not wrappable by ``chunkkv``/``adakv`` (they score at each layer's prefill step, before any
     reconstruction: the first prefill raises) nor by ``kvquant`` (refused when built). A second prefill forward (a
-    later chunk or turn) reconstructs its own tokens; earlier slots keep their scores (under global budgets the
-    heads are padded back to one layout for it, and its reconstruction also attends the padding, which repeats each
-    head's last kept slot: a small distortion, as for AdaKV). Global budgets own the attention, so a model with an
-    attention softcap or sinks (Gemma 2) is refused; ``budgets=uniform`` serves it.
+    later chunk or turn) reconstructs its own tokens, earlier slots keeping their scores, under ``budgets=uniform``;
+    under global budgets it raises (the layers then hold different lengths). Global budgets own the attention, so a
+    model with an attention softcap or sinks (Gemma 2) is refused; ``budgets=uniform`` serves it.
 
     Raises
     ------
     ValueError
-        On a bad hyper-parameter; during prefill, for a padded batch or a forward without ``input_ids``.
+        On a bad hyper-parameter; during prefill, for a padded batch, a forward without ``input_ids``, or (global
+        budgets) a second multi-token forward.
     """
 
     chunk: int = 2048
@@ -348,6 +348,11 @@ class KVzip(KVScorer):
         if not isinstance(step.cache, KVzipCache):
             raise ValueError(  # noqa: TRY004 - a misuse reported like the other run-time refusals
                 "kvzip needs its own cache (KVzip.make_cache); it cannot be run by another method's")
+        if self.budgets == "global" and step.layer.cumulative_length > step.query_length:
+            raise ValueError(
+                "kvzip:budgets=global ranks the slots of one prefill forward over every layer, so its layers hold "
+                "different lengths, which a later multi-token forward (a chunked prefill, a new turn) cannot mask: "
+                "prefill the context in one forward, or use kvzip:budgets=uniform")
         step.layer.add_slot_state(_STATE, fill=float("inf"))
         step.layer.target = self.layer_budget(step)
         step.layer.prefill_length = step.layer.cumulative_length
