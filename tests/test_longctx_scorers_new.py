@@ -241,9 +241,10 @@ def test_kvzip_global_refuses_a_second_prefill_forward_and_uniform_serves_it(sdp
     """Global budgets leave layers of different lengths, which a later multi-token forward's one mask cannot cover:
     the second chunk of a chunked prefill is refused with the fix named; uniform budgets compress each chunk."""
     ids = random_prompt(96, seed=11)
+    cache = build_method("chunked:chunk=32:method=kvzip,budget=24").make_cache(sdpa)
     with pytest.raises(ValueError, match="budgets=uniform"):
-        with build_method("chunked:chunk=32:method=kvzip,budget=24").make_cache(sdpa) as cache:
-            sdpa.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        sdpa.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.hooks_attached == 0  # the refusal closed the cache
     with build_method("chunked:chunk=32:method=kvzip,budget=24,budgets=uniform").make_cache(sdpa) as cache:
         sdpa.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
         assert [layer.held for layer in cache.layers] == [25, 25]  # 24 kept, then one decode token
