@@ -257,7 +257,16 @@ def _niah(capsys, out: Path, *extra: str) -> tuple[int, str, str]:
 
 
 def _child(argv: list[str]) -> None:
+    """Run ``mmaccel ARGV`` with each record taking a second after it is written: micro-lm's cells take milliseconds,
+    so without it the sweep could finish before the parent's signal arrives."""
     logging.disable(logging.CRITICAL)
+    write = sw._Sink.write
+
+    def slow_write(self, record: dict) -> None:
+        write(self, record)
+        time.sleep(1.0)
+
+    sw._Sink.write = slow_write  # this forked child's copy only
     sys.exit(main(argv))
 
 
