@@ -20,6 +20,20 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+_last_module = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """At each test module's first test (the previous module's fixtures are torn down by then): collect, then freeze
+    what is still alive (modules imported on first use, session fixtures), so that it too leaves the collector's
+    walk. Garbage is collected before the freeze; what the module makes afterwards is collected as before."""
+    if _last_module[-1:] != [item.module]:
+        _last_module[:] = [item.module]
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
