@@ -126,7 +126,7 @@ def _kv(cache):
             if isinstance(t, torch.Tensor)]
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=100000", "kvquant:bits=8"])
+@pytest.mark.parametrize("spec", ["snapkv:budget=100000", "kvquant:bits=8", "kvzip:ratio=0.25:chunk=128"])
 def test_answer_leaves_the_cache_alone_and_an_unbounded_budget_is_plain_generate(micro, spec):
     model, tok = micro
     s = make_ruler_sample(tok, "niah_single_2", 256, seed=1, haystack=PROSE)
