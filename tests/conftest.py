@@ -11,23 +11,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-def pytest_collection_finish(session):
-    """Move every object alive after collection (torch, transformers, gradio and the test modules) out of the
-    garbage collector's reach: ``PeakMemory`` calls ``gc.collect()`` on entry, which otherwise walks that whole heap
-    (0.3 s each, hundreds of times a run). Objects made later, the tests' models included, are collected as
-    before."""
-    gc.collect()
-    gc.freeze()
-
-
 _last_module = []
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """At each test module's first test (the previous module's fixtures are torn down by then): collect, then freeze
-    what is still alive (modules imported on first use, session fixtures), so that it too leaves the collector's
-    walk. Garbage is collected before the freeze; what the module makes afterwards is collected as before."""
+    """At each test module's first test (the previous module's fixtures are torn down by then): collect, then move
+    what is still alive (torch, transformers, gradio, the test modules, modules imported on first use, session
+    fixtures) out of the garbage collector's reach. ``PeakMemory`` calls ``gc.collect()`` on entry, which otherwise
+    walks that whole heap (0.3 s each, hundreds of times a run). What the module makes afterwards, its models
+    included, is collected as before."""
     if _last_module[-1:] != [item.module]:
         _last_module[:] = [item.module]
         gc.collect()

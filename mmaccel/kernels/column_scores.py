@@ -101,11 +101,9 @@ def attention_column_scores_reference(
 
     if block_size is None:
         rows = (64 << 20) // max(1, 4 * B * Hq * L)  # query rows whose logits over every key fit in 64 MiB
-        if rows >= W:  # one tile: one pass
-            return reduced(torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)).reshape(B, Hq, L)
-        if rows >= 64:
+        if 64 <= rows < W:
             return _query_tiles(q.view(B, Hkv, group, W, D), k, rows, causal, reduce, scale).reshape(B, Hq, L)
-        block_size = max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
+        block_size = L if rows >= W else max(1024, (64 << 20) // max(1, 4 * B * Hq * W))
     if block_size >= L:  # one block: one pass
         return reduced(torch.softmax(logits(0, L), dim=-1).reshape(B, Hkv, group, W, L)).reshape(B, Hq, L)
     lse = torch.full((B, Hkv, group * W), float("-inf"), device=k.device)
