@@ -18,6 +18,7 @@ from mmaccel.longctx.minference import (
     estimate_patterns,
     pattern_recall,
     search_patterns,
+    search_rows,
     vertical_slash_scores,
     vertical_slash_table,
 )
@@ -188,6 +189,28 @@ def test_search_picks_within_budget_saves_and_runs(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="another model"):
         method.make_cache(other)
+
+
+def test_search_rows_spread_or_at_the_end_and_recall_measured_there():
+    assert search_rows(10, 4).tolist() == [0, 3, 6, 9]
+    assert search_rows(10, 4, "end").tolist() == [6, 7, 8, 9]
+    assert search_rows(3, 8, "end").tolist() == [0, 1, 2]
+    for bad in ({"rows_at": "last"}, {"rows": 0}):
+        with pytest.raises(ValueError, match="rows"):
+            search_rows(10, **{"rows": 4, **bad})
+    model = tiny_llama()
+    prompt = [ids(128, seed=3)]
+    pattern = search_patterns(model, [ids(128, seed=1)], density=0.6, candidates=(HeadChoice("a_shape", window=0.1),),
+                              block=16, last_q=16, rows=16, rows_at="end")
+    assert pattern.found_by["rows_at"] == "end"
+    every = [pattern_recall(model, pattern, prompt, block=16, last_q=16, rows=128, rows_at=at)["recall"]
+             for at in ("spread", "end")]
+    assert every[0] == pytest.approx(every[1], abs=1e-6)  # all 128 rows either way
+    end, spread = (pattern_recall(model, pattern, prompt, block=16, last_q=16, rows=16, rows_at=at)["recall"]
+                   for at in ("end", "spread"))
+    assert end != pytest.approx(spread, abs=1e-4)  # a local window keeps less of a late row's attention
+    with pytest.raises(ValueError, match="rows_at"):
+        search_patterns(model, prompt, rows_at="question")
 
 
 def test_a_wrapped_method_with_its_own_attention_is_refused_at_make_cache():

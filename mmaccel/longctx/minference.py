@@ -414,9 +414,9 @@ class _PrefillState:
     per-forward statistics (``mode="run"``), or the candidates to score (``mode="search"``)."""
 
     def __init__(self, choices_of, *, block: int, last_q: int, min_length: int, mode: str = "run",
-                 candidates: Sequence = (), rows: int = 256):
+                 candidates: Sequence = (), rows: int = 256, rows_at: str = "spread"):
         self.choices_of, self.block, self.last_q, self.min_length = choices_of, block, last_q, min_length
-        self.mode, self.candidates, self.rows = mode, list(candidates), rows
+        self.mode, self.candidates, self.rows, self.rows_at = mode, list(candidates), rows, rows_at
         self.active = False
         self.flops: dict[int, list[float]] = {}  # layer -> kept block fraction per sparse forward
         self.estimate: dict[int, list[float]] = {}  # layer -> estimation (q . k pairs) / dense causal pairs
@@ -449,11 +449,12 @@ class _PrefillState:
 
     def score(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Search mode: per candidate and head, the attention recall of its estimated pattern on ``rows`` query
-        rows spread over the prompt, and its block density; summed into :attr:`recall` / :attr:`density`."""
+        rows (spread over the prompt, or its last ones: :func:`search_rows`), and its block density; summed into
+        :attr:`recall` / :attr:`density`."""
         from ..kernels.patterns import make_rule
 
         Hq, L = query.shape[1], query.shape[2]
-        rows = torch.linspace(0, L - 1, min(self.rows, L), device=query.device).round().long().unique()
+        rows = search_rows(L, self.rows, self.rows_at, query.device)
         k_pos = torch.arange(L, device=query.device)
         for b in range(query.shape[0]):
             k = key[b].float().repeat_interleave(Hq // key.shape[1], dim=0)
@@ -766,9 +767,32 @@ def _run_state(model: torch.nn.Module, prompts: Sequence[torch.Tensor], state: _
                 h.remove()
 
 
+def search_rows(length: int, rows: int, rows_at: str = "spread", device=None) -> torch.Tensor:
+    """int64 [R] the query rows a pattern search measures attention recall on, R = min(rows, length).
+
+    ``rows_at="spread"``: evenly spread over the prompt (every part of the document counts alike); ``"end"``: the
+    last R rows, where a retrieval prompt puts its question, so a head is judged by what the question's rows read
+    (the needle's columns), not by the document's mostly local rows.
+
+    Raises
+    ------
+    ValueError
+        For another ``rows_at`` or ``rows < 1``.
+    """
+    if rows_at not in ("spread", "end"):
+        raise ValueError(f"rows_at must be 'spread' or 'end', got {rows_at!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    n = min(rows, length)
+    if rows_at == "end":
+        return torch.arange(length - n, length, device=device)
+    return torch.linspace(0, length - 1, n, device=device).round().long().unique()
+
+
 def search_patterns(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, density: float = 0.25,
                     candidates: Sequence[HeadChoice] = DEFAULT_CANDIDATES, block: int = 64, last_q: int = 64,
-                    rows: int = 256, label: str = "", found_by: dict | None = None) -> MInferencePattern:
+                    rows: int = 256, rows_at: str = "spread", label: str = "",
+                    found_by: dict | None = None) -> MInferencePattern:
     """MInference's offline pattern search: per head, the candidate with the best attention recall within a block
     budget, on a few calibration prompts.
 
@@ -793,6 +817,9 @@ def search_patterns(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, 
         As in :class:`MInference`.
     rows : int
         Query rows per prompt the recall is measured on.
+    rows_at : {"spread", "end"}
+        Where those rows are (:func:`search_rows`): spread over the prompt (default), or its last ``rows`` (the
+        question of a retrieval prompt).
     label : str
         Model label stored in the file.
     found_by : dict, optional
@@ -806,14 +833,15 @@ def search_patterns(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, 
     Raises
     ------
     ValueError
-        On no prompts, a bad ``density``, or an empty candidate list.
+        On no prompts, a bad ``density``, ``rows`` or ``rows_at``, or an empty candidate list.
     """
     if not prompts or not candidates:
         raise ValueError("search_patterns needs at least one prompt and one candidate")
+    search_rows(1, rows, rows_at)  # ValueError before any forward
     if isinstance(density, bool) or not 0 < density <= 1:
         raise ValueError(f"search_patterns: density must be in (0, 1], got {density!r}")
     state = _PrefillState(None, block=block, last_q=last_q, min_length=1, mode="search", candidates=candidates,
-                          rows=rows)
+                          rows=rows, rows_at=rows_at)
     _run_state(model, prompts, state)
     num_layers = int(config_fingerprint(model.config)["num_hidden_layers"])
     heads, recall, dens = [], [], []
@@ -830,14 +858,14 @@ def search_patterns(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, 
         recall.append([float(r[i, h]) for h, i in enumerate(best)])
         dens.append([float(d[i, h]) for h, i in enumerate(best)])
     info = {"search": "best recall within a block budget (MInference, arXiv 2407.02490)", "density_budget": density,
-            "block": block, "last_q": last_q, "rows": rows, "prompts": len(prompts),
+            "block": block, "last_q": last_q, "rows": rows, "rows_at": rows_at, "prompts": len(prompts),
             "lengths": [int(p.shape[-1]) for p in prompts],
             "candidates": [c.to_dict() for c in candidates], **(found_by or {})}
     return MInferencePattern(heads, config_fingerprint(model.config), recall, dens, info, {}, label)
 
 
 def pattern_recall(model: torch.nn.Module, pattern: MInferencePattern, prompts: Sequence[torch.Tensor], *,
-                   block: int = 64, last_q: int = 64, rows: int = 256) -> dict:
+                   block: int = 64, last_q: int = 64, rows: int = 256, rows_at: str = "spread") -> dict:
     """Recall and block density of a pattern's per-head choices on other prompts (validation of a search).
 
     Parameters
@@ -848,15 +876,23 @@ def pattern_recall(model: torch.nn.Module, pattern: MInferencePattern, prompts: 
         int64 [1, L] token ids.
     block, last_q, rows : int
         As in :func:`search_patterns`.
+    rows_at : {"spread", "end"}
+        As in :func:`search_patterns`.
 
     Returns
     -------
     dict
         ``recall`` and ``density`` (means over layers and heads), ``recall_min`` (worst head), ``prompts``,
         ``lengths``.
+
+    Raises
+    ------
+    ValueError
+        For a bad ``rows`` or ``rows_at`` (:func:`search_rows`).
     """
+    search_rows(1, rows, rows_at)  # ValueError before any forward
     state = _PrefillState(None, block=block, last_q=last_q, min_length=1, mode="search",
-                          candidates=[lambda layer, hq: pattern.layer(layer)], rows=rows)
+                          candidates=[lambda layer, hq: pattern.layer(layer)], rows=rows, rows_at=rows_at)
     _run_state(model, prompts, state)
     r = torch.cat([state.recall[i][0] / state.prompts[i] for i in sorted(state.recall)])
     d = torch.cat([state.density[i][0] / state.prompts[i] for i in sorted(state.density)])
