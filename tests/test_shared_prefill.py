@@ -42,8 +42,8 @@ SERVED = [
 OWN_PREFILL = {
     "chunked": "chunked:chunk=32:method=snapkv,budget=48",
     "chunked_ffn": "chunked_ffn:chunk=32",
-    "retrieval_heads": "retrieval_heads:pattern=micro-lm",
-    "razor": "razor:pattern=micro-lm",
+    "retrieval_heads": "retrieval_heads:pattern=micro-lm:prefill=sparse",  # streaming heads' prefill is a window
+    "razor": "razor:pattern=micro-lm:prefill=sparse",
     "bilevel": "bilevel",
     "longheads": "longheads",
     "minference": "minference",  # a sparse prefill
@@ -213,6 +213,41 @@ def test_shares_prefill_over_the_registry():
                        "chunkkv", "kvquant", "keydiff", "expected_attention", "kvzip"}
     assert set(built) - sharing == set(OWN_PREFILL)
     assert not shares_prefill("snapkv") and not shares_prefill(object())
+    # with their default dense prefill every head attends to the whole prompt: the split is kept afterwards
+    assert all(shares_prefill(build_method(f"{name}:pattern=micro-lm")) for name in ("retrieval_heads", "razor"))
+
+
+# The retrieval-head split with its default dense prefill, at a window far below the prompt (micro-lm's pattern)
+SPLIT = ["retrieval_heads:pattern=micro-lm:window=24:sink=4", "razor:pattern=micro-lm:window=24:sink=4:fraction=0.5"]
+
+
+def test_retrieval_head_split_shares_the_prefill_bit_for_bit(micro_lm):
+    """The split's caches after the shared prefill equal its own dense prefill's (streaming heads trimmed, the
+    compensation slot folded), and the decoded tokens are its own run's."""
+    model, tokenizer, ids = micro_lm
+    methods = [build_method(s) for s in SPLIT]
+    shared = SharedPrefill(methods)
+    leader = shared.make_cache(model)
+    with torch.inference_mode():
+        model(ids, **cache_kwarg(model, leader))
+        leader.close()
+        shared.finish(model, ids)
+        for method, holder in zip(methods, shared.holders):
+            own = method.make_cache(model)
+            model(ids, **cache_kwarg(model, own))
+            own.close()
+            for mine, theirs in zip(holder.layers, own.layers):
+                assert mine.stream_keys.shape[2] == theirs.stream_keys.shape[2] == 4 + 24
+                assert len(_kv_tensors(mine)) == len(_kv_tensors(theirs)) >= 4
+                assert all(torch.equal(x, y) for x, y in zip(_kv_tensors(mine), _kv_tensors(theirs))), method.spec
+                assert mine.comp_count == theirs.comp_count == (ids.shape[1] - 28 if method.compensation else 0)
+    torch.manual_seed(0)
+    together = generate_shared(model, tokenizer, ids, methods=[(s, s) for s in ["full", *SPLIT]], max_new_tokens=NEW,
+                               warmup=0, raise_errors=True)
+    for spec, record in zip(SPLIT, together[1:]):
+        alone = generate_measured(model, tokenizer, ids, method=spec, max_new_tokens=NEW, warmup=0, raise_errors=True)
+        assert record.extra["shared_prefill"] and record.output_ids == alone.output_ids
+        assert record.kv_cache_bytes_final == alone.kv_cache_bytes_final < together[0].kv_cache_bytes_final
 
 
 @pytest.mark.parametrize("name", sorted(OWN_PREFILL))

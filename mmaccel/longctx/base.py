@@ -1034,6 +1034,13 @@ class KVMethod:
         its layers, no hooks of its own. Only for methods with ``prefill_is_full``."""
         return KVMethodCache(model, self, attach=False)
 
+    def keep_shared(self, step: "LayerStep") -> None:
+        """At one layer of a shared full-attention prefill, after ``step.layer`` (this method's holder layer) took
+        the layer's K/V [B, Hkv, S, D]: keep this method's share, as its own prefill forward would at that layer.
+        Default: :meth:`on_step` for a method that hooks the attention, nothing otherwise."""
+        if self.uses_hooks:
+            self.on_step(step)
+
     def finish_shared_prefill(self, holder: "KVMethodCache", model: torch.nn.Module, input_ids: torch.Tensor) -> None:
         """What the method does after a shared prefill forward of ``input_ids`` [B, L] filled ``holder`` and before
         it decodes, where its own run would do it after its prefill forward (KVzip's reconstruction); nothing by

@@ -239,6 +239,17 @@ class RetrievalHeads(KVMethod):
         self._resolved: HeadPattern | None = None
 
     @property
+    def prefill_is_full(self) -> bool:
+        """True with ``prefill="dense"``: every head attends to the whole prompt and the streaming heads are trimmed
+        after it, so a shared full-attention prefill serves it (:mod:`mmaccel.longctx.shared_prefill`)."""
+        return self.prefill == "dense"
+
+    def keep_shared(self, step) -> None:
+        """Shared prefill: trim the holder layer's streaming heads to sinks + window (folding the dropped tokens
+        into the compensation slot), as the layer does after its own dense prefill attention."""
+        step.layer._trim()
+
+    @property
     def pattern_label(self) -> str:
         """The pattern's name or path (``"<in-memory>"`` for a pattern object not loaded from a file)."""
         if isinstance(self.pattern, HeadPattern):

@@ -42,8 +42,10 @@ def shares_prefill(method) -> bool:
     bool
         True exactly when ``method.prefill_is_full`` is True: its prefill forward is full attention and it only
         compresses what it keeps (``full``, ``streaming``, ``snapkv``, ``pyramidkv``, ``h2o``, ``tova``, ``knorm``,
-        ``chunkkv`` / ``adakv`` over them, ``kvquant``, ``quest``, ``kvzip``). False for methods that change the prefill itself
-        (``chunked``, ``chunked_ffn``, ``retrieval_heads``, ``bilevel``, ``longheads``) and for non-KV methods.
+        ``chunkkv`` / ``adakv`` over them, ``kvquant``, ``quest``, ``kvzip``, and ``retrieval_heads`` / ``razor`` with
+        their default ``prefill="dense"``). False for methods that change the prefill itself (``chunked``,
+        ``chunked_ffn``, ``retrieval_heads:prefill=sparse``, ``bilevel``, ``longheads``, ``minference``) and for
+        non-KV methods.
     """
     return isinstance(method, KVMethod) and getattr(method, "prefill_is_full", False) is True
 
@@ -152,8 +154,7 @@ class SharedPrefill(KVMethod):
             start = time.perf_counter()
             layer = holder.layers[step.layer_idx]
             layer.update(step.keys, step.values)
-            if method.uses_hooks:
-                method.on_step(LayerStep(holder, layer, step.layer_idx, step.module, step.hidden_states,
+            method.keep_shared(LayerStep(holder, layer, step.layer_idx, step.module, step.hidden_states,
                                          step.position_embeddings, step.attention_mask, "prefill"))
             synchronize(self._device)
             self.compress_s[i] += time.perf_counter() - start
