@@ -159,6 +159,15 @@ def test_compress_really_compresses_and_shared_gives_the_same_caches(micro):
     assert kv_cache_bytes(kvzip.cache) == kv_cache_bytes(alone.cache) and kvzip.compress_s > 0
     assert len(_kv(kvzip.cache)) == len(_kv(zipped.cache))
     assert all(torch.equal(x, y) for x, y in zip(_kv(kvzip.cache), _kv(zipped.cache)))
+    # the retrieval-head split (dense prefill) shares it too: its streaming heads trimmed as in its own compress
+    split = "retrieval_heads:pattern=micro-lm:window=24"
+    own, (shared,) = compress(split, model, s.context_ids), compress_shared([split], model, s.context_ids)
+    assert len(_kv(shared.cache)) == len(_kv(own.cache)) > 0
+    assert all(torch.equal(x, y) for x, y in zip(_kv(shared.cache), _kv(own.cache)))
+    assert kv_cache_bytes(shared.cache) < kv_cache_bytes(full.cache)
+    question = s.queries[0].question_ids
+    assert (answer(model, shared, question, 6, do_sample=False).new_ids
+            == answer(model, own, question, 6, do_sample=False).new_ids)
 
 
 def test_a_method_that_needs_the_question_is_refused(micro):
