@@ -58,6 +58,23 @@ def test_pattern_file_round_trips_and_loads_by_name_or_path(sdpa, tmp_path):
     assert shipped.found_by["finder"].startswith("training-free")
 
 
+def test_a_pattern_card_that_says_it_does_not_transfer_is_kept_and_warned(sdpa, tmp_path):
+    pattern = _pattern(sdpa)
+    pattern.validation = {"transfers": False, "summary": "loses 14 points on unseen prose", "record": "studies/x"}
+    path = pattern.save(tmp_path / "p.json")
+    loaded = load_head_pattern(str(path))
+    assert loaded.validation == pattern.validation and loaded.with_fraction(0.5).validation == pattern.validation
+    cache = RetrievalHeads(pattern=str(path)).make_cache(sdpa)
+    assert any("loses 14 points on unseen prose (studies/x)" in w for w in cache.warnings)
+    cache.close()
+    assert "validation" not in _pattern(sdpa).to_dict()  # no card: nothing written, nothing warned
+    quiet = RetrievalHeads(pattern=_pattern(sdpa)).make_cache(sdpa)
+    assert quiet.warnings == []
+    quiet.close()
+    shipped = {name: load_head_pattern(name).validation for name in ("smollm2-135m", "smollm2-135m-gates")}
+    assert shipped["smollm2-135m"]["transfers"] is False and shipped["smollm2-135m-gates"]["transfers"] is True
+
+
 def test_unknown_pattern_file_is_one_clear_error(sdpa):
     with pytest.raises(ValueError, match="unknown head pattern 'no-such-model'.*shipped: .*micro-lm"):
         RetrievalHeads(pattern="no-such-model").make_cache(sdpa)

@@ -83,6 +83,9 @@ class HeadPattern:
         How it was found (finder, data, weights).
     source : str
         Where it was loaded from (a name or a path; empty when built in memory).
+    validation : dict
+        The pattern's card: what it scored on data it was not fitted on, beside its fitting source, and where it
+        does not transfer (``{"transfers": bool, "summary": str, "record": path, ...}``); empty when not validated.
 
     Raises
     ------
@@ -99,6 +102,7 @@ class HeadPattern:
     model: str = ""
     found_by: dict = field(default_factory=dict)
     source: str = ""
+    validation: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.retrieval_heads = sorted({(int(l), int(h)) for l, h in self.retrieval_heads})
@@ -136,7 +140,8 @@ class HeadPattern:
         n = math.ceil(fraction * len(pairs) - 1e-9)
         ranked = sorted(pairs, key=lambda p: (-float(self.scores[p[0]][p[1]]), p))
         return HeadPattern(self.num_layers, self.num_kv_heads, self.num_attention_heads, self.scores, ranked[:n],
-                           dict(self.fingerprint), self.model, {**self.found_by, "fraction": fraction}, self.source)
+                           dict(self.fingerprint), self.model, {**self.found_by, "fraction": fraction}, self.source,
+                           dict(self.validation))
 
     # ------------------------------------------------------------------ checks
     def check_model(self, config) -> list[str]:
@@ -185,6 +190,7 @@ class HeadPattern:
             "scores": [[round(float(s), 6) for s in row] for row in self.scores],
             "retrieval_heads": [list(p) for p in self.retrieval_heads],
             "found_by": self.found_by,
+            **({"validation": self.validation} if self.validation else {}),
         }
 
     def save(self, path) -> Path:
@@ -208,7 +214,7 @@ class HeadPattern:
         try:
             return cls(int(data["num_layers"]), int(data["num_kv_heads"]), int(data["num_attention_heads"]),
                        data["scores"], data["retrieval_heads"], data.get("fingerprint", {}), data.get("model", ""),
-                       data.get("found_by", {}), source)
+                       data.get("found_by", {}), source, data.get("validation", {}))
         except KeyError as exc:
             raise ValueError(f"head pattern {source!r} lacks the field {exc}") from exc
 
