@@ -2,8 +2,8 @@
 
     python benchmarks/results/video/stream_accuracy_smol_llava/build.py /work/runs
 
-Reads ``<runs>/stream1k/f1000/``, ``<runs>/stream1k/f1000_full/`` and ``<runs>/stream4k/f4000/`` (each a
-``video-niah --stream`` output folder), writes here ``results_<run>.jsonl.gz`` (the raw records) and ``table.md``
+Reads the folders of ``RUNS`` under ``<runs>`` (each a ``video-niah --stream`` output folder; the ``_rh`` ones use
+the retrieval-head split), writes here ``results_<run>.jsonl.gz`` (the raw records) and ``table.md``
 (per run and needle depth: correct / clips, median seconds, peak RSS, K/V held). To resume a run on a fresh machine,
 unpack its ``results_<run>.jsonl.gz`` into the run folder as ``results.jsonl`` and rerun its command with ``--resume``.
 """
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNS = {"f1000": "stream1k/f1000", "f1000_full": "stream1k/f1000_full", "f4000": "stream4k/f4000"}
+RUNS = {"f1000": "stream1k/f1000", "f1000_full": "stream1k/f1000_full", "f1000_rh": "stream1k/f1000_rh",
+        "f4000": "stream4k/f4000", "f4000_rh": "stream4k/f4000_rh"}
 
 
 def main(runs: Path) -> None:
