@@ -109,23 +109,31 @@ def test_shared_output_is_token_identical_to_a_separate_run(setup, index):
 def test_prefilled_caches_equal_each_method_s_own_prefill(request, model_name):
     """Bit for bit: every member's cache after the one shared prefill holds what its own prefill forward keeps."""
     model, _, ids = request.getfixturevalue(model_name)
-    methods = [build_method(s) for s in SERVED]
+    for method, mine, theirs in _shared_and_own_layers(model, ids, SERVED):
+        tensors = [*_kv_tensors(mine), *getattr(mine, "bookkeeping_tensors", list)()]
+        expected = [*_kv_tensors(theirs), *getattr(theirs, "bookkeeping_tensors", list)()]
+        assert len(tensors) == len(expected) > 0
+        assert all(torch.equal(x, y) for x, y in zip(tensors, expected)), method.spec
+        assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+
+
+def _shared_and_own_layers(model, ids, specs):
+    """(method, layer after one shared prefill, the same layer after the method's own prefill) for every member and
+    layer; KVzip reconstructs and evicts in ``finish``, as after its own forward."""
+    methods = [build_method(s) for s in specs]
     shared = SharedPrefill(methods)
     leader = shared.make_cache(model)
+    out = []
     with torch.inference_mode():
         model(ids, **cache_kwarg(model, leader))
         leader.close()
-        shared.finish(model, ids)  # KVzip reconstructs and evicts here, as after its own forward
+        shared.finish(model, ids)
         for method, holder in zip(methods, shared.holders):
             own = method.make_cache(model)
             model(ids, **cache_kwarg(model, own))
             getattr(own, "close", lambda: None)()
-            for mine, theirs in zip(holder.layers, own.layers):
-                tensors = [*_kv_tensors(mine), *getattr(mine, "bookkeeping_tensors", list)()]
-                expected = [*_kv_tensors(theirs), *getattr(theirs, "bookkeeping_tensors", list)()]
-                assert len(tensors) == len(expected) > 0
-                assert all(torch.equal(x, y) for x, y in zip(tensors, expected)), method.spec
-                assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+            out += [(method, mine, theirs) for mine, theirs in zip(holder.layers, own.layers)]
+    return out
 
 
 def test_kvzip_member_needs_finish_before_its_decode_cache(tiny):
@@ -225,22 +233,13 @@ def test_retrieval_head_split_shares_the_prefill_bit_for_bit(micro_lm):
     """The split's caches after the shared prefill equal its own dense prefill's (streaming heads trimmed, the
     compensation slot folded), and the decoded tokens are its own run's."""
     model, tokenizer, ids = micro_lm
-    methods = [build_method(s) for s in SPLIT]
-    shared = SharedPrefill(methods)
-    leader = shared.make_cache(model)
-    with torch.inference_mode():
-        model(ids, **cache_kwarg(model, leader))
-        leader.close()
-        shared.finish(model, ids)
-        for method, holder in zip(methods, shared.holders):
-            own = method.make_cache(model)
-            model(ids, **cache_kwarg(model, own))
-            own.close()
-            for mine, theirs in zip(holder.layers, own.layers):
-                assert mine.stream_keys.shape[2] == theirs.stream_keys.shape[2] == 4 + 24
-                assert len(_kv_tensors(mine)) == len(_kv_tensors(theirs)) >= 4
-                assert all(torch.equal(x, y) for x, y in zip(_kv_tensors(mine), _kv_tensors(theirs))), method.spec
-                assert mine.comp_count == theirs.comp_count == (ids.shape[1] - 28 if method.compensation else 0)
+    pairs = _shared_and_own_layers(model, ids, SPLIT)
+    assert len(pairs) == len(SPLIT) * model.config.num_hidden_layers
+    for method, mine, theirs in pairs:
+        assert mine.stream_keys.shape[2] == theirs.stream_keys.shape[2] == 4 + 24
+        assert len(_kv_tensors(mine)) == len(_kv_tensors(theirs)) >= 4
+        assert all(torch.equal(x, y) for x, y in zip(_kv_tensors(mine), _kv_tensors(theirs))), method.spec
+        assert mine.comp_count == theirs.comp_count == (ids.shape[1] - 28 if method.compensation else 0)
     torch.manual_seed(0)
     together = generate_shared(model, tokenizer, ids, methods=[(s, s) for s in ["full", *SPLIT]], max_new_tokens=NEW,
                                warmup=0, raise_errors=True)
