@@ -30,7 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,11 +154,9 @@ def make_shapes(out: Path, tiny: bool = False) -> list[Path]:
     import shutil
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from mmaccel.models.zoo import assets_dir
-
-    from transformers import AutoTokenizer
 
     tokenizer_dir = assets_dir() / "micro-lm"
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
@@ -230,8 +228,8 @@ def run_stage(out: Path, *, rehearse: bool, budget_s: float = BUDGET_S, only: li
     for step in steps:
         folder = out / step.name
         left = budget_s - (time.monotonic() - start)
-        rec = dict(step=step.name, estimate_s=step.estimate_s, limit_s=step.limit_s, device=device,
-                   rehearsal=rehearse)
+        rec = {"step": step.name, "estimate_s": step.estimate_s, "limit_s": step.limit_s, "device": device,
+                   "rehearsal": rehearse}
         if not rehearse and left < step.estimate_s:
             rec.update(status="skipped", why=f"{left:.0f} s left of the budget, estimate {step.estimate_s:.0f} s")
         else:

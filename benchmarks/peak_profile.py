@@ -82,8 +82,8 @@ def live_at_peak(profiler) -> tuple[int, dict[str, int]]:
 
 
 def _niah_inputs(args, tokenizer):
-    from mmaccel.eval import make_niah_sample
     from mmaccel.data.haystack import resolve_chat_template
+    from mmaccel.eval import make_niah_sample
 
     chat = resolve_chat_template(tokenizer, "auto")
     sample = make_niah_sample(tokenizer, args.length, args.depth, seed=args.seed, chat_template=chat)

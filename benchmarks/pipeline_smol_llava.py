@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 import mmaccel
-from mmaccel.eval import compare_pieces
 from mmaccel.data.scenes import make_scene_qa
+from mmaccel.eval import compare_pieces
 
 SENTENCES = (
     "The red circle sits to the left of the blue square, and a small green triangle lies below them both.",

@@ -45,10 +45,10 @@ from mmaccel.data.palette import (
     save_picture,
 )
 from mmaccel.models import load
-from mmaccel.zoo.train.micro_ar import LAYOUT, RASTER, left_pad, prompt_ids, tokens_to_picture
 from mmaccel.speculative.engine import speculative_generate
 from mmaccel.speculative.lantern import Lantern, latent_neighbours
 from mmaccel.speculative.sjd import SpeculativeJacobi
+from mmaccel.zoo.train.micro_ar import LAYOUT, RASTER, left_pad, prompt_ids, tokens_to_picture
 
 #: Tolerance on palette accuracy vs AR at the same temperature for "quality kept" (absolute, fraction of pixels).
 QUALITY_TOLERANCE = 0.01

@@ -183,7 +183,9 @@ def _add_repeat_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
     p.add_argument("--repeats", type=_positive_int, default=1, help="measured runs per method (median reported)")
     p.add_argument("--warmup", type=_non_negative_int, default=1, help="unrecorded warm-up runs per method (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="trial t uses sample seed SEED+t, so seeds closer than --trials share documents "
+                        "(for new documents step the seed by --trials; default 0)")
 
 
 def _add_sweep_args(p: argparse.ArgumentParser, *, shared_prefill: bool = True) -> None:
@@ -484,6 +486,7 @@ def cmd_compare(args) -> int:
     """``mmaccel compare``: several NIAH documents (or one image / video question), every method, a table on stdout
     (ratios to full on the same documents) and ``compare.json``."""
     import json
+
     from .eval.compare import NIAH_DOCS_METHODS, niah_docs_markdown, niah_docs_rows
     from .eval.niah import run_niah
     from .eval.sweep import check_out_dir, write_atomic
@@ -915,10 +918,10 @@ def cmd_kernel_bench(args) -> int:
 def cmd_spec_bench(args) -> int:
     """``mmaccel spec-bench``: speculative methods vs autoregressive decoding on free and copy-heavy prompts; prints
     the table, writes ``results.jsonl`` and ``summary.json`` (:func:`mmaccel.eval.specbench.run_spec_bench`)."""
-    from .pipeline import resolve_methods
     from .data.haystack import resolve_chat_template
     from .eval.specbench import check_draft_tokenizers, prompt_set_names, run_spec_bench
     from .eval.sweep import check_out_dir
+    from .pipeline import resolve_methods
 
     if not 0 <= args.temperature < float("inf"):
         raise CLIError(f"--temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")

@@ -16,15 +16,16 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
+from app_serving import launch_local
 from mmaccel.apps import forms
 from mmaccel.apps.tabs import TABS
 from mmaccel.apps.workbench import build_app
+
 from mmaccel.longctx import METHODS as KV_METHODS
 from mmaccel.longctx import build_method
 from mmaccel.specs import accepted_keys
 from mmaccel.speculative import METHODS as DRAFTERS
 from mmaccel.vision_tokens import METHODS as VISION_METHODS
-from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -364,9 +365,8 @@ def test_vision_overlay_and_metrics(app):
 
 def test_vision_overlay_colours_merged_greys_pruned_and_keeps_the_rest():
     import numpy as np
-    from PIL import Image
-
     from mmaccel.apps.workbench import scaled_view, token_overlay
+    from PIL import Image
 
     rng = np.random.default_rng(0)
     view = Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))  # 4 x 4 patches of 7 px
@@ -449,8 +449,9 @@ def test_generation_streams_an_untimed_pass_then_shows_the_measured_run(app):
 def test_token_stream_yields_growing_text_and_stops_its_thread_when_closed():
     import threading
 
-    import mmaccel
     from mmaccel.apps.streaming import TokenStream
+
+    import mmaccel
     from mmaccel.pipeline import resolve_method
 
     model, tok = mmaccel.load("micro-lm", device="cpu")
@@ -555,8 +556,8 @@ def test_errors_in_the_other_tabs_stay_in_their_columns(app):
 def test_mmaccel_app_builds_the_workbench_and_launches_it(monkeypatch):
     """``mmaccel app ARGS`` runs ``mmaccel.apps.workbench.main(ARGS)``: the flags reach ``build_app`` and ``launch``."""
     import torch
-
     from mmaccel.apps import workbench
+
     from mmaccel.cli import main
 
     launched = {}

@@ -13,6 +13,7 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
+from app_serving import launch_local
 from mmaccel.apps import forms
 from mmaccel.apps.common import AppContext, ModelCache
 from mmaccel.apps.tabs.ar_generation import (
@@ -23,7 +24,6 @@ from mmaccel.apps.tabs.ar_generation import (
     palette_prompt,
     prompt_for_kind,
 )
-from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

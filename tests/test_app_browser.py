@@ -27,10 +27,9 @@ from playwright.sync_api import expect, sync_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from test_app import save_tiny_vision_encoder, save_tiny_vlm
-
-from mmaccel.apps.workbench import build_app
 from app_serving import launch_local
+from mmaccel.apps.workbench import build_app
+from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
 SHOTS = ROOT / "runs" / "screenshots"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

@@ -17,8 +17,8 @@ gradio_client = pytest.importorskip("gradio_client")
 
 import itertools
 
-from mmaccel.apps import workbench
 from app_serving import launch_local
+from mmaccel.apps import workbench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # The 8 x 5 ran here once by hand (all 40 served one at a time, 254 s on 2 cores); CI runs a smaller load with

@@ -19,6 +19,7 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
+from app_serving import launch_local
 from mmaccel.apps import workbench
 from mmaccel.apps.common import InputError, scrub
 from mmaccel.apps.security import ModelGate, check_video, exposure_error, read_auth
@@ -27,7 +28,6 @@ from mmaccel.apps.vision_encoder import SCENE_SAMPLE
 from test_app import save_tiny_vision_encoder, save_tiny_vlm
 
 from mmaccel.models.zoo import assets_dir
-from app_serving import launch_local
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MiB = 2**20

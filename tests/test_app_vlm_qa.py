@@ -11,11 +11,10 @@ import pytest
 gr = pytest.importorskip("gradio", reason="the app needs the `app` extra: pip install -e '.[app]'")
 gradio_client = pytest.importorskip("gradio_client")
 
-from test_app import save_tiny_vlm  # tests/ is on sys.path (rootdir conftest)
-
+from app_serving import launch_local
 from mmaccel.apps import workbench
 from mmaccel.apps.tabs.vlm_qa import CLIP_QA, SCENE_QA, kept_slots
-from app_serving import launch_local
+from test_app import save_tiny_vlm  # tests/ is on sys.path (rootdir conftest)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -117,7 +117,7 @@ def test_run_niah_takes_prebuilt_samples(monkeypatch):
     tok = AutoTokenizer.from_pretrained(MICRO_LM)
     model = tiny_llama(layers=1, heads=2, kv_heads=1, head_dim=8, tokenizer=tok)
     hay = HaystackTokens(tok, HAYSTACK)  # a short haystack: fast to tokenize
-    kw = dict(seed=3, haystack=hay, max_new_tokens=2, warmup=0, progress=False, chat_template=False)
+    kw = {"seed": 3, "haystack": hay, "max_new_tokens": 2, "warmup": 0, "progress": False, "chat_template": False}
     samples = build_samples(tok, [96], [0.25, 0.75], 1, seed=3, haystack=hay)
     expected = run_niah(model, tok, ["full"], [96], [0.25, 0.75], 1, **kw)
 

@@ -13,8 +13,8 @@ import torch
 from tiny_models import tiny_llama
 from transformers import DynamicCache
 
-from mmaccel.eval import Comparison, NIAHSample, RunRecord, compare, generate_measured, make_niah_sample, run_niah
 from mmaccel.data.haystack import score_answer, stdlib_paragraphs
+from mmaccel.eval import Comparison, NIAHSample, RunRecord, compare, generate_measured, make_niah_sample, run_niah
 from mmaccel.eval.memory import PeakMemory
 from mmaccel.eval.niah import build_samples, summarize
 from mmaccel.longctx import FullAttention
@@ -111,10 +111,10 @@ def test_failed_run_is_recorded_not_raised(tiny):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(method="nosuch"), "unknown KV-cache method 'nosuch'"),
-        (dict(method="snapkv:budget=0"), "budget must be an integer >= 1"),
-        (dict(method="streaming:window=-5"), "window must be an integer >= 1"),
-        (dict(max_new_tokens=0), "max_new_tokens >= 1"),
+        ({"method": "nosuch"}, "unknown KV-cache method 'nosuch'"),
+        ({"method": "snapkv:budget=0"}, "budget must be an integer >= 1"),
+        ({"method": "streaming:window=-5"}, "window must be an integer >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens >= 1"),
     ],
 )
 def test_configuration_errors_raise_up_front(tiny, kwargs, match):
@@ -216,7 +216,7 @@ def test_run_niah_writes_records_summary_and_heatmaps(tiny, tmp_path):
 
 def test_run_niah_is_deterministic_and_survives_a_failing_method(tiny, tmp_path):
     model, tok = tiny
-    kw = dict(seed=1, max_new_tokens=3, warmup=0, progress=False)
+    kw = {"seed": 1, "max_new_tokens": 3, "warmup": 0, "progress": False}
     a = run_niah(model, tok, ["full"], [128], [0.5], 2, **kw)
     b = run_niah(model, tok, [Exploding(), "full"], [128], [0.5], 2, out_dir=tmp_path, **kw)
     assert [r["output_ids"] for r in a.records] == [r["output_ids"] for r in b.records if r["method"] == "full"]
@@ -241,17 +241,17 @@ def test_summarize_counts_accuracy_over_successful_runs():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(methods=["full", "nosuch"]), ValueError, "unknown KV-cache method"),
-        (dict(methods=["snapkv:budget=0"]), ValueError, "budget must be"),
-        (dict(lengths=[20]), ValueError, "smaller than the needle"),
-        (dict(haystack="/no/such/haystack.txt"), FileNotFoundError, "does not exist"),
-        (dict(depths=[1.5]), ValueError, "depths must be"),
-        (dict(needle_template="no placeholders"), ValueError, "must contain"),
+        ({"methods": ["full", "nosuch"]}, ValueError, "unknown KV-cache method"),
+        ({"methods": ["snapkv:budget=0"]}, ValueError, "budget must be"),
+        ({"lengths": [20]}, ValueError, "smaller than the needle"),
+        ({"haystack": "/no/such/haystack.txt"}, FileNotFoundError, "does not exist"),
+        ({"depths": [1.5]}, ValueError, "depths must be"),
+        ({"needle_template": "no placeholders"}, ValueError, "must contain"),
     ],
 )
 def test_run_niah_configuration_errors_before_any_run(tiny, tmp_path, kwargs, exc, match):
     model, tok = tiny
-    args = dict(methods=["full"], lengths=[128], depths=[0.5])
+    args = {"methods": ["full"], "lengths": [128], "depths": [0.5]}
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         run_niah(model, tok, args.pop("methods"), args.pop("lengths"), args.pop("depths"), 1, out_dir=tmp_path,
@@ -263,8 +263,8 @@ def test_run_niah_with_haystack_file_and_templates(tiny, tmp_path):
     model, tok = tiny
     hay = tmp_path / "hay.txt"
     hay.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    templates = dict(needle_template="Remember: the code for {key} is {value}.",
-                     question_template="What is the code for {key}? The code for {key} is")
+    templates = {"needle_template": "Remember: the code for {key} is {value}.",
+                     "question_template": "What is the code for {key}? The code for {key} is"}
     ((_, sample),) = build_samples(tok, [128], [0.5], 1, haystack=str(hay), **templates)
     prompt = tok.decode(sample.input_ids)
     assert "quick brown fox" in prompt and f"Remember: the code for {sample.key} is {sample.answer}." in prompt

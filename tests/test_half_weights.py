@@ -97,7 +97,7 @@ def test_bad_save_dtype_and_bad_stored_dtype_are_refused(tmp_path):
     assert not (tmp_path / "new").exists()
     path = sl.save_projector(src, tmp_path / "p.safetensors")
     with safe_open(str(path), "pt") as f:
-        meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     state["linear_1.bias"] = state["linear_1.bias"].to(torch.float64)
     save_file(state, str(tmp_path / "odd.safetensors"), metadata=meta)
     with pytest.raises(ValueError, match="linear_1.bias.*float64.*save_projector"):

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from mmaccel.kernels import attention, attention_column_scores, available_backends, tree_attention
-from mmaccel.kernels.column_scores import _query_tiles, attention_column_scores_reference
 from mmaccel.kernels.backends import resolve_backend
+from mmaccel.kernels.column_scores import _query_tiles, attention_column_scores_reference
 from mmaccel.kernels.dense import causal_mask
 
 # Tolerances per input dtype, against an fp32 reference computed from the same (rounded) inputs.
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 def qkv(B, Hq, Hkv, Lq, Lk, D, dtype=torch.float32, seed=0):
@@ -37,7 +37,7 @@ def naive(q, k, v, allowed, scale=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37, 16), (1, 6, 3, 1, 45, 32), (2, 2, 2, 20, 50, 16)])
 def test_dense_matches_naive(backend, dtype, shape):
-    B, Hq, Hkv, Lq, Lk, D = shape
+    _B, _Hq, _Hkv, Lq, Lk, _D = shape
     q, k, v = qkv(*shape, dtype=dtype)
     out = attention(q, k, v, causal=True, backend=backend)
     assert out.shape == q.shape and out.dtype == dtype

@@ -8,7 +8,7 @@ from mmaccel.kernels import decode_attention
 from mmaccel.kernels.decode import pages_to_indices
 from mmaccel.kernels.triton_kernels import DEFAULT_DECODE_CONFIG, DecodeKernelConfig
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
 
 
 def cache(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0):

@@ -13,7 +13,7 @@ def test_bandwidth_meter_counts_read_and_write():
     assert bw.gbps > 0 and bw.nbytes == 4 * 2**20 and bw.repeats == 2 and bw.threads == torch.get_num_threads()
 
 
-@pytest.mark.parametrize("kw", [dict(nbytes=1024), dict(nbytes=2**21, repeats=0), dict(nbytes=2**21, warmup=-1)])
+@pytest.mark.parametrize("kw", [{"nbytes": 1024}, {"nbytes": 2**21, "repeats": 0}, {"nbytes": 2**21, "warmup": -1}])
 def test_bandwidth_meter_refuses_what_would_not_measure_memory(kw):
     with pytest.raises(ValueError):
         memory_bandwidth("cpu", **kw)

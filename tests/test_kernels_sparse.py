@@ -6,7 +6,7 @@ from mmaccel.kernels import BlockSparse, Chunked, Dense, HeadPatterns, Streaming
 from mmaccel.kernels.patterns import block_plan, token_mask
 from mmaccel.kernels.sparse_prefill import _masked_reference
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
 BACKENDS = [("reference", None), ("reference", 16), ("flex", None), ("flex", 32), ("triton", 32), ("triton", 16)]
 
 

@@ -195,7 +195,7 @@ def test_snapkv_selection_hand_computed():
         ],
         dtype=torch.float32,
     )
-    kw = dict(budget=5, window=2, num_kv_heads=2)
+    kw = {"budget": 5, "window": 2, "num_kv_heads": 2}
     # no pooling: KV head 0 means [0, 4, 0, 1, 2, 0] -> top 3 = {1, 4, 3}; KV head 1 [4, 0, .5, 0, 0, 1] -> {0, 5, 2}
     idx = snapkv_keep_indices(scores, kernel_size=1, **kw)
     assert idx.tolist() == [[[1, 3, 4, 6, 7], [0, 2, 5, 6, 7]]]
@@ -207,7 +207,7 @@ def test_snapkv_selection_hand_computed():
 def test_snapkv_group_max_keeps_what_one_query_head_needs():
     """Two query heads share a KV head: by their mean slot 0 wins (4 vs 3.5); by their maximum slot 1 (7 vs 4)."""
     scores = torch.tensor([[[4.0, 0.0, 9.0], [4.0, 7.0, 9.0]]])  # [B=1, Hq=2, L=3], the last slot is the window
-    kw = dict(budget=2, window=1, num_kv_heads=1, kernel_size=1)
+    kw = {"budget": 2, "window": 1, "num_kv_heads": 1, "kernel_size": 1}
     assert snapkv_keep_indices(scores, **kw).tolist() == [[[0, 2]]]
     assert snapkv_keep_indices(scores, group="max", **kw).tolist() == [[[1, 2]]]
     assert build_method("snapkv:ratio=0.25:group=max").group == "max"

@@ -314,7 +314,7 @@ def test_has_padding_reads_4d_2d_and_flex_block_masks():
     def causal(b, h, q, kv):
         return kv <= q
 
-    kw = dict(B=2, H=None, Q_LEN=8, KV_LEN=8, device="cpu")
+    kw = {"B": 2, "H": None, "Q_LEN": 8, "KV_LEN": 8, "device": "cpu"}
     assert has_padding(flex.create_block_mask(padded, **kw))
     assert not has_padding(flex.create_block_mask(causal, **kw))
 
@@ -417,7 +417,7 @@ def test_chunked_wraps_methods_with_their_own_caches_as_generate_chunking_does(s
     """Quest, AdaKV, kvquant, LongHeads and BiLevel build their own cache types; the wrapper drives them exactly as
     ``generate(prefill_chunk_size=C)`` does."""
     ids = random_prompt(40, seed=13)
-    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     with build_method(spec).make_cache(sdpa) as cache:
         native = sdpa.generate(ids, past_key_values=cache, prefill_chunk_size=12, **kwargs)
     with Chunked(build_method(spec), chunk=12).make_cache(sdpa) as cache:

@@ -267,7 +267,7 @@ def test_dense_prefill_with_no_retrieval_heads_is_streamingllm(sdpa):
     """Every head streaming + a dense prefill is StreamingLLM (the prompt attends fully; decode sees sinks + window):
     an independent implementation of the same policy, through the eviction base instead of owned attention."""
     ids = random_prompt(40, seed=8)
-    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     with RetrievalHeads(pattern=_pattern(sdpa), fraction=0.0, sink=2, window=6, prefill="dense").make_cache(
             sdpa) as cache:
         split = sdpa.generate(ids, past_key_values=cache, **kwargs)

@@ -19,8 +19,8 @@ from mmaccel.data.palette import (
     render_prompt,
     save_picture,
 )
-from mmaccel.zoo.train.micro_ar import RASTER, build_tokenizer, picture_to_tokens, prompt_ids, tokens_to_picture
 from mmaccel.models.zoo import zoo_path
+from mmaccel.zoo.train.micro_ar import RASTER, build_tokenizer, picture_to_tokens, prompt_ids, tokens_to_picture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,8 +115,8 @@ def test_tokenizer_and_picture_tokens():
 def test_trainer_writes_a_loadable_checkpoint_and_card(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from mmaccel.zoo.train.micro_ar import train
     from mmaccel.models.zoo import Phase, Recipe
+    from mmaccel.zoo.train.micro_ar import train
 
     recipe = Recipe(phases=(Phase(steps=3, min_len=256, max_len=512, batch_size=2),), warmup_steps=1)
     summary = train(tmp_path, max_steps=3, recipe=recipe, log_every=1, eval_images=1, eval_clips=0)

@@ -11,8 +11,8 @@ from mmaccel.data.haystack import stdlib_paragraphs
 from mmaccel.models import ModelLoadError, load, resolve_model_path
 from mmaccel.models import zoo as zoo_mod
 from mmaccel.models.tokenizer import train_bpe_tokenizer
-from mmaccel.zoo.train.lm import NeedleDocuments, train
 from mmaccel.models.zoo import Phase, Recipe
+from mmaccel.zoo.train.lm import NeedleDocuments, train
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mmaccel.longctx  # noqa: F401 - fills the registries
-import mmaccel.speculative  # noqa: F401
+import mmaccel.longctx
+import mmaccel.speculative
 import mmaccel.vision_tokens  # noqa: F401
 from mmaccel.longctx.base import KVScorer
 from mmaccel.longctx.registry import METHODS as KV_METHODS

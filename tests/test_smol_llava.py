@@ -26,8 +26,8 @@ import mmaccel
 from mmaccel.data.scenes import ANSWERS, describe_scene, make_scene_qa
 from mmaccel.models import built as built_mod
 from mmaccel.models import smol_llava as sl
-from mmaccel.zoo.train import smol_llava as tr
 from mmaccel.models.loading import ModelLoadError, load_tokenizer
+from mmaccel.zoo.train import smol_llava as tr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -260,6 +260,9 @@ def _child(argv: list[str]) -> None:
     """Run ``mmaccel ARGV`` with each record taking a second after it is written: micro-lm's cells take milliseconds,
     so without it the sweep could finish before the parent's signal arrives."""
     logging.disable(logging.CRITICAL)
+    # a fresh `mmaccel` process has Python's own SIGINT handler; the forked pytest process may have been given
+    # another one by an earlier test's library
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     write = sw._Sink.write
 
     def slow_write(self, record: dict) -> None:
@@ -290,19 +293,22 @@ def test_niah_interrupted_by_sigint_or_sigkill_then_resumed_equals_an_uninterrup
     procs = {name: _launch(out) for name, (out, _) in runs.items()}
     deadline = time.monotonic() + 300
     pending = dict(procs)
+    sent = {}  # name -> records written when the signal went (None: the child had already ended)
     while pending and time.monotonic() < deadline:
         for name, proc in list(pending.items()):
             out, sig = runs[name]
             if _lines(out / "results.jsonl") >= 1 or not proc.is_alive():
+                sent[name] = None
                 if proc.is_alive():
                     os.kill(proc.pid, sig)
+                    sent[name] = _lines(out / "results.jsonl")
                 del pending[name]
         time.sleep(0.005)
     rc, full_out, err = _niah(capsys, tmp_path / "whole")  # the uninterrupted run
     assert rc == 0, err
     for name, proc in procs.items():
         proc.join(timeout=120)
-        assert proc.exitcode != 0, f"{name}: the sweep ended before the signal"
+        assert proc.exitcode != 0, f"{name}: the sweep ended with 0 (signal sent after record {sent.get(name)})"
         out = runs[name][0]
         done = _lines(out / "results.jsonl")
         assert 1 <= done < N_CELLS, f"{name}: the signal came after {done} of {N_CELLS} cells"

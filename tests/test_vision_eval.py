@@ -17,8 +17,8 @@ from mmaccel.eval.vision_sweep import BASELINE, PrefillCost, summarize_sweep, sw
 from mmaccel.eval.visual import VisualConfig, parse_visual_config
 from mmaccel.kernels.hf import hooked_cache
 from mmaccel.models import smol_llava as sl
-from mmaccel.zoo.train import smol_llava as tr
 from mmaccel.vision_tokens import Pooling
+from mmaccel.zoo.train import smol_llava as tr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -548,8 +548,8 @@ def test_contiguous_positions_at_full_budget_and_their_errors(llava, qwen2vl):
 def test_pooled_clip_embeds_are_what_pooling_gives_the_language_model(llava):
     """The video-NIAH trainer's pooled clip embeddings (``mmaccel.zoo.train.clips``) equal the language model's
     prefill embeddings under ``Pooling`` with contiguous positions on the same 3-frame prompt."""
-    from mmaccel.zoo.train.clips import pooled_clip_embeds
     from mmaccel.models.smol_llava import image_features
+    from mmaccel.zoo.train.clips import pooled_clip_embeds
 
     model, processor, _ = llava
     inputs = processor(images=_images(3, seed=2), text=["<image>\n<image>\n<image>\ndescribe"], return_tensors="pt")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from mmaccel.pipeline import resolve_methods
 from mmaccel.data.haystack import HaystackTokens
 from mmaccel.longctx import build_method, kv_cache_bytes
 from mmaccel.models import zoo_path
+from mmaccel.pipeline import resolve_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "vs_kvpress.py"

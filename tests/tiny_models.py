@@ -24,11 +24,11 @@ def tiny_llama(
     special = {}
     if tokenizer is not None:
         vocab_size = len(tokenizer)
-        special = dict(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        special = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=heads * head_dim,

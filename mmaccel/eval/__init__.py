@@ -5,9 +5,16 @@
 - :func:`compare` -- several methods on one input -> :class:`Comparison` (table + JSON).
 - :func:`run_niah` -- a length x depth NIAH sweep -> ``results.jsonl``, ``summary.json``, heatmaps.
 """
+from ..data.haystack import (
+    NEEDLE_TEMPLATE,
+    QUESTION_TEMPLATE,
+    HaystackTokens,
+    NIAHSample,
+    make_niah_sample,
+    score_answer,
+)
 from .compare import Comparison, compare
 from .generation import RunRecord, generate_measured, measure_pipeline
-from ..data.haystack import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, HaystackTokens, NIAHSample, make_niah_sample, score_answer
 from .niah import NIAHResult, run_niah
 from .pieces import compare_pieces
 

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..data.haystack import NIAHSample, score_answer, score_answer_contains
 from ..pipeline import resolve_methods, split_inputs
 from .generation import RunRecord, generate_measured, median_or_none
-from ..data.haystack import NIAHSample, score_answer, score_answer_contains
 from .sweep import Cell, run_measured_group, save_figure, shares_prefill, sweep, write_atomic
 
 logger = logging.getLogger(__name__)

@@ -41,8 +41,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..pipeline import resolve_methods
-from .generation import generate_measured, median_or_none
 from ..data.haystack import (  # noqa: F401 - check_haystack_file: re-exported
     NEEDLE_TEMPLATE,
     HaystackTokens,
@@ -55,6 +53,8 @@ from ..data.haystack import (  # noqa: F401 - check_haystack_file: re-exported
     score_answer,
     score_answer_contains,
 )
+from ..pipeline import resolve_methods
+from .generation import generate_measured, median_or_none
 from .memory import check_cpu_meter
 from .sweep import (  # noqa: F401 - process_state, shard_cells, shard_dir, BARRIER_TIMEOUT: re-exported
     BARRIER_TIMEOUT,

@@ -226,10 +226,10 @@ def scaling_summary(records: list[Record]) -> dict[str, dict]:
             continue
         lo, hi = rows[0], rows[-1]
         ratio = hi.ms / lo.ms
-        out[f"{method} [{backend}]"] = dict(
-            from_length=lo.length, to_length=hi.length, time_ratio=ratio,
-            exponent=math.log(ratio) / math.log(hi.length / lo.length),
-        )
+        out[f"{method} [{backend}]"] = {
+            "from_length": lo.length, "to_length": hi.length, "time_ratio": ratio,
+            "exponent": math.log(ratio) / math.log(hi.length / lo.length),
+        }
     return out
 
 
@@ -285,15 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args, device: torch.device) -> None:
     cpu = device.type != "cuda"
-    preset = dict(
-        lengths=[2048, 4096, 8192] if cpu else [8192, 16384, 32768, 65536, 131072],
-        cache_lengths=[8192, 32768] if cpu else [32768, 65536, 131072],
-        budgets=[256, 1024] if cpu else [1024, 2048, 4096],
-        densities=[0.5, 0.1], heads=8 if cpu else 32, kv_heads=2 if cpu else 8, head_dim=64 if cpu else 128,
-        sink=64 if cpu else 128, window=512 if cpu else 4096, chunk=512 if cpu else 4096, column_window=64,
-        backends=["auto"] if cpu else ["auto", "triton"], repeats=3 if cpu else 5,
-        dtype="float32" if cpu else "bfloat16",
-    )
+    preset = {
+        "lengths": [2048, 4096, 8192] if cpu else [8192, 16384, 32768, 65536, 131072],
+        "cache_lengths": [8192, 32768] if cpu else [32768, 65536, 131072],
+        "budgets": [256, 1024] if cpu else [1024, 2048, 4096],
+        "densities": [0.5, 0.1], "heads": 8 if cpu else 32, "kv_heads": 2 if cpu else 8, "head_dim": 64 if cpu else 128,
+        "sink": 64 if cpu else 128, "window": 512 if cpu else 4096, "chunk": 512 if cpu else 4096, "column_window": 64,
+        "backends": ["auto"] if cpu else ["auto", "triton"], "repeats": 3 if cpu else 5,
+        "dtype": "float32" if cpu else "bfloat16",
+    }
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -325,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(format_table(records, scaling) + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = dict(device=dev_name, dtype=args.dtype, peaks=dict(tflops=peaks[0], gbps=peaks[1]),
-                       bandwidth=asdict(bandwidth) if bandwidth is not None else None,
-                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                       records=[asdict(r) for r in records], scaling=scaling)
+        payload = {"device": dev_name, "dtype": args.dtype, "peaks": {"tflops": peaks[0], "gbps": peaks[1]},
+                       "bandwidth": asdict(bandwidth) if bandwidth is not None else None,
+                       "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                       "records": [asdict(r) for r in records], "scaling": scaling}
         args.out.write_text(json.dumps(payload, indent=2))
     return 0
 

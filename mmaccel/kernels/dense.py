@@ -173,7 +173,7 @@ def attention(
     RuntimeError
         If an explicitly requested backend is unavailable on this device.
     """
-    B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v, "attention")
+    B, Hq, _Hkv, Lq, Lk, D = check_qkv(q, k, v, "attention")
     scale = default_scale(scaling, D)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _varlen(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, attention_mask, backend)

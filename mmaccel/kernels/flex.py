@@ -43,10 +43,11 @@ def rule_tensors(plan: BlockPlan, device: torch.device) -> dict[str, torch.Tenso
     def vec(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    return dict(
-        sink=vec([r.sink for r in rules]), window=vec([r.window for r in rules]), gran=vec([r.gran for r in rules]),
-        has_table=torch.tensor([r.table is not None for r in rules], device=device), table=table,
-    )
+    return {
+        "sink": vec([r.sink for r in rules]), "window": vec([r.window for r in rules]),
+        "gran": vec([r.gran for r in rules]),
+        "has_table": torch.tensor([r.table is not None for r in rules], device=device), "table": table,
+    }
 
 
 def plan_mask_mod(plan: BlockPlan, device: torch.device, kv_lens: torch.Tensor | None):

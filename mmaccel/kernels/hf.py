@@ -42,7 +42,7 @@ def cache_kwarg(model, cache, *, generate: bool = False) -> dict:
     return {_cache_name(type(model), generate): cache}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_name(cls, generate: bool) -> str:
     if generate:  # generate takes **kwargs; the rename came with 5.24
         import transformers

@@ -51,7 +51,7 @@ def _select_heads(q, k, v, heads: list[int], group: int):
 
 def _reference(q, k, v, plan: BlockPlan, scale: float, seq_lens) -> torch.Tensor:
     """Block-skipping PyTorch: per distinct pattern, per query tile, attend only the tile's active key tiles."""
-    B, Hq, Lq, D = q.shape
+    _B, Hq, Lq, _D = q.shape
     Lk = k.shape[2]
     group = Hq // k.shape[1]
     off = Lk - Lq
@@ -169,7 +169,7 @@ def sparse_prefill_attention(
 
 def _masked_reference(q, k, v, pattern, *, scaling=None, seq_lens=None) -> torch.Tensor:
     """Correctness oracle: dense fp32 attention under the full O(Lq * Lk) token mask of the patterns."""
-    B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v, "_masked_reference")
+    _B, Hq, Hkv, Lq, Lk, D = check_qkv(q, k, v, "_masked_reference")
     allowed = token_mask(as_head_patterns(pattern, Hq, Hkv), Lq, Lk, q.device)[None]
     if seq_lens is not None:
         allowed = allowed & (torch.arange(Lk, device=q.device)[None, None, None, :] < seq_lens[:, None, None, None])

@@ -71,7 +71,7 @@ def tree_attention(
         If ``k`` does not hold ``prefix_len + T`` positions, on a malformed tree mask, mismatched heads, or an unknown
         backend.
     """
-    B, Hq, Hkv, T, Lk, D = check_qkv(q, k, v, "tree_attention")
+    B, _Hq, _Hkv, T, Lk, _D = check_qkv(q, k, v, "tree_attention")
     if prefix_len < 0 or Lk != prefix_len + T:
         raise ValueError(f"k must hold prefix_len + T = {prefix_len} + {T} positions, got {Lk}")
     if tuple(tree_mask.shape[-2:]) != (T, T):

@@ -510,7 +510,7 @@ class EvictingLayer(DynamicLayer):
         stores["v"], self.values = append_slots(stores.get("v"), self.values, value_states, spare)
         stores["p"], self.positions = append_slots(stores.get("p"), self.positions, new_pos.expand(B, H, q), spare)
         for name, state in self.slot_state.items():
-            fill, dtype = self._fills[name]
+            fill, _dtype = self._fills[name]
             key = "state:" + name
             stores[key], self.slot_state[name] = append_slots(stores.get(key), state, state.new_full((B, H, q), fill),
                                                               spare)
@@ -670,7 +670,7 @@ class LayerStep:
         methods with ``captures_queries``; :meth:`queries` then applies only the norm and RoPE.
     """
 
-    cache: "KVMethodCache"
+    cache: KVMethodCache
     layer: EvictingLayer
     layer_idx: int
     module: torch.nn.Module
@@ -761,7 +761,7 @@ class KVMethodCache(DynamicCache):
     is garbage-collected (they hold only a weak reference to it). A hook ignores forwards with another cache.
     """
 
-    def __init__(self, model: torch.nn.Module, method: "KVMethod", *, speculative: bool = False, attach: bool = True):
+    def __init__(self, model: torch.nn.Module, method: KVMethod, *, speculative: bool = False, attach: bool = True):
         super().__init__(config=model.config)
         for i, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
@@ -883,7 +883,7 @@ class KVMethodCache(DynamicCache):
         """Remove every hook this cache attached to the model (idempotent)."""
         _remove_handles(self._hooks)
 
-    def __enter__(self) -> "KVMethodCache":
+    def __enter__(self) -> KVMethodCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -1029,19 +1029,19 @@ class KVMethod:
         """A fresh cache layer for full-attention layer ``layer_idx``."""
         return EvictingLayer()
 
-    def prefill_holder(self, model: torch.nn.Module) -> "KVMethodCache":
+    def prefill_holder(self, model: torch.nn.Module) -> KVMethodCache:
         """The cache a shared full-attention prefill (:mod:`mmaccel.longctx.shared_prefill`) fills for this method:
         its layers, no hooks of its own. Only for methods with ``prefill_is_full``."""
         return KVMethodCache(model, self, attach=False)
 
-    def keep_shared(self, step: "LayerStep") -> None:
+    def keep_shared(self, step: LayerStep) -> None:
         """At one layer of a shared full-attention prefill, after ``step.layer`` (this method's holder layer) took
         the layer's K/V [B, Hkv, S, D]: keep this method's share, as its own prefill forward would at that layer.
         Default: :meth:`on_step` for a method that hooks the attention, nothing otherwise."""
         if self.uses_hooks:
             self.on_step(step)
 
-    def finish_shared_prefill(self, holder: "KVMethodCache", model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    def finish_shared_prefill(self, holder: KVMethodCache, model: torch.nn.Module, input_ids: torch.Tensor) -> None:
         """What the method does after a shared prefill forward of ``input_ids`` [B, L] filled ``holder`` and before
         it decodes, where its own run would do it after its prefill forward (KVzip's reconstruction); nothing by
         default (the method chose what to keep inside the forward)."""

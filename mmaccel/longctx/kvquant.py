@@ -355,7 +355,7 @@ class QuantizedLayer(EvictingLayer, AttentionOwningLayer):
     def _fold_keys(self, q: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
         """Scores [B, H, nq, n] (written to ``out``) of the scaled queries ``q`` [B, H, nq, D] against the float
         codes, slice-major [per, B, H, n, D / per] (:func:`unpack_float`)."""
-        B, H, nq, D = q.shape
+        B, H, nq, _D = q.shape
         per, n = codes.shape[0], codes.shape[3]
         scale, zero = self.key_scale.float(), self.key_zero.float()
         if self.key_axis == "channel":  # scale, zero [B, H, G, 1, D]

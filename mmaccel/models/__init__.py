@@ -6,6 +6,17 @@ from .loading import ModelLoadError, load, resolve_model_path
 from .zoo import ZOO, list_models, zoo_path
 
 __all__ = [
-    "load", "resolve_model_path", "ModelLoadError", "ZOO", "list_models", "zoo_path", "FETCHED", "FetchError",
-    "fetch", "list_fetched", "BUILT", "NotTrainedError", "list_built",
+    "BUILT",
+    "FETCHED",
+    "ZOO",
+    "FetchError",
+    "ModelLoadError",
+    "NotTrainedError",
+    "fetch",
+    "list_built",
+    "list_fetched",
+    "list_models",
+    "load",
+    "resolve_model_path",
+    "zoo_path",
 ]

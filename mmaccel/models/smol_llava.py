@@ -464,7 +464,8 @@ def read_lora(path: str | Path) -> dict | None:
     if not info:
         return None
     with safe_open(str(path), "pt") as f:
-        names = sorted(k[len(_LORA):-2] for k in f.keys() if k.startswith(_LORA) and k.endswith(".A"))
+        keys = f.keys()  # a safe_open handle has no __iter__
+        names = sorted(k[len(_LORA):-2] for k in keys if k.startswith(_LORA) and k.endswith(".A"))
         modules = {n: (f.get_tensor(f"{_LORA}{n}.A").float(), f.get_tensor(f"{_LORA}{n}.B").float()) for n in names}
     return {**info, "modules": modules}
 

@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer for the micro-model zoo, trained offline with the `tokenizers` library."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<image>", "<video>")
 

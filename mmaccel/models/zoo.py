@@ -71,18 +71,18 @@ class ZooEntry:
     trainer: str | None = None
 
 
-_LLAMA_COMMON = dict(
-    model_type="llama",
-    vocab_size=2048,
-    rope_theta=1e5,
-    max_position_embeddings=16384,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    attention_bias=False,
-    rms_norm_eps=1e-5,
-)
+_LLAMA_COMMON = {
+    "model_type": "llama",
+    "vocab_size": 2048,
+    "rope_theta": 1e5,
+    "max_position_embeddings": 16384,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-5,
+}
 
 ZOO: dict[str, ZooEntry] = {
     "micro-lm": ZooEntry(

@@ -545,13 +545,13 @@ def expected_head_bytes(head: EagleHead) -> int:
 
 
 __all__ = [
+    "SAVE_DTYPES",
     "Eagle",
     "EagleHead",
     "EagleHeadConfig",
     "HeadCache",
     "expected_head_bytes",
     "head_dir",
-    "SAVE_DTYPES",
     "head_parameters",
     "load_head",
     "save_head",

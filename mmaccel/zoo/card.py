@@ -109,7 +109,7 @@ def write_model_card(name: str, out_dir: str | Path | None = None) -> Path:
         ["step", "phase", "loss", "answer loss", "answer exact (train batch)", "tokens/s", "minutes"], curve_rows
     )
     niah_dir = out / "niah"
-    niah_md = "(not evaluated yet: `mmaccel niah --model {name} --out assets/models/{name}/niah`)".format(name=name)
+    niah_md = f"(not evaluated yet: `mmaccel niah --model {name} --out assets/models/{name}/niah`)"
     if (niah_dir / "summary.json").exists():
         summary = json.loads((niah_dir / "summary.json").read_text())
         niah_md = niah_table(summary) + "\n\n" + _NIAH_COMMAND.format(name=name, out="niah", lengths="512 1024 2048 4096")

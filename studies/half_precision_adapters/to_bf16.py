@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with safe_open(args.src, "pt") as f:
         meta = f.metadata()
-        state = {k: f.get_tensor(k) for k in f.keys()}
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     save_file(state, args.dst, metadata=meta)
     return 0

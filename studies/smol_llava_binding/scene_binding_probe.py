@@ -21,10 +21,10 @@ import json
 import time
 
 import torch
+from smol_llava_feature_probe import parse_and_load  # the sibling script in this folder
 
 from mmaccel.data.scenes import PALETTE, SHAPES, make_scene
 from mmaccel.data.splits import split_seed
-from smol_llava_feature_probe import parse_and_load  # the sibling script in this folder
 
 COLOURS = list(PALETTE)
 

@@ -15,8 +15,8 @@ import json
 import torch
 
 from mmaccel.data.scenes import describe_scene, make_scene_qa
-from mmaccel.zoo.train import smol_llava as tr
 from mmaccel.models.smol_llava import build_llava
+from mmaccel.zoo.train import smol_llava as tr
 
 
 def items(caption: str) -> list[str]:

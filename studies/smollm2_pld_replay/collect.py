@@ -2,10 +2,15 @@
 
 Usage: python collect.py 128 greedy_outputs.jsonl
 """
-import json, sys, torch
+import json
+import sys
+
+import torch
+
 torch.set_num_threads(1)
 import mmaccel
-from mmaccel.eval.specbench import build_prompt_set, _encode
+from mmaccel.eval.specbench import _encode, build_prompt_set
+
 model, tok = mmaccel.load("smollm2-135m", device="cpu")
 TUNE_FREE = [
     "Write a poem about autumn leaves falling in a quiet park.",

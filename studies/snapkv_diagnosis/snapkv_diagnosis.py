@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     model_eager, _ = load(args.model, device="cpu", attn_implementation="eager")
     n_layers = model.config.num_hidden_layers
     samples = [make_niah_sample(tok, args.length, args.depth, seed=s) for s in range(args.seeds)]
-    snap = dict(budget=args.budget, window=args.window)
+    snap = {"budget": args.budget, "window": args.window}
 
     results: dict[str, list[bool]] = {}
     answers: dict[str, list[str]] = {}

@@ -1,6 +1,9 @@
 """Fit the MInference head patterns of smollm2-135m on train-split prose NIAH prompts; validate on the eval split."""
-import json, sys, time
+import sys
+import time
+
 import torch
+
 import mmaccel
 from mmaccel.data.haystack import HaystackTokens, make_niah_sample, stdlib_paragraphs
 from mmaccel.longctx.minference import pattern_recall, search_patterns
@@ -29,6 +32,7 @@ v["haystack"] = "stdlib docstrings, eval split (the default NIAH haystack)"
 v["prompts_kind"] = "NIAH, chat template, depth 0.5, seed 200"
 pattern.validation = v
 import numpy as np
+
 pattern.found_by["calibration_recall"] = float(np.mean([x for r in pattern.recall for x in r]))
 pattern.found_by["calibration_density"] = float(np.mean([x for r in pattern.density for x in r]))
 print("validation", v, "cal", pattern.found_by["calibration_recall"], pattern.found_by["calibration_density"], flush=True)

@@ -4,7 +4,10 @@ Modeled cost of one generation, in target one-token forwards: target_forwards * 
 c = 494M / 1543M multiply-adds per token (qwen2.5-coder-0.5b over -1.5b, LM heads included: arithmetic, not timed)
 and v = 1 (a packed verification forward of a few tokens costs about one token's: RESULTS.md, smollm2 packed).
 """
-import json, sys, collections
+import collections
+import json
+import sys
+
 C = 494 / 1543
 recs = [json.loads(l) for l in open(sys.argv[1])]
 print("| set | prompt | task | method | identical | first diff | new tokens | target fwd | draft fwd | mean accepted | acceptance |")

@@ -1,7 +1,13 @@
 """Ablation: the committed EAGLE recipe + answers sampled at T=0.8 (train split only), same greedy data and eval set."""
-import json, logging, random, sys, torch
+import json
+import logging
+import random
+
+import torch
+
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-from mmaccel.zoo.train.eagle import train, training_prompts, copy_prompts
+from mmaccel.zoo.train.eagle import copy_prompts, train, training_prompts
+
 d = torch.load('/tmp/eagle/data.pt', weights_only=True)
 reqs = [(p, "") for p in training_prompts(1450, 0)] + copy_prompts(600, 0)
 random.Random(1).shuffle(reqs)

@@ -1,9 +1,14 @@
 """Evaluate EAGLE heads on one held-out split (the 86 answers of /tmp/eagle/data.pt), chain of 5."""
-import json, random, sys
+import json
+import random
+import sys
+
 import torch
+
 from mmaccel.models import load
 from mmaccel.speculative.eagle import load_head
 from mmaccel.zoo.train.eagle import evaluate
+
 torch.set_num_threads(2)
 model, tok = load("smollm2-135m"); model.eval()
 ex = torch.load("/tmp/eagle/data.pt", weights_only=True)["examples"]

@@ -17,8 +17,8 @@ import time
 import torch
 
 import mmaccel
-from mmaccel.pipeline import resolve_methods
 from mmaccel.eval.specbench import build_prompt_set
+from mmaccel.pipeline import resolve_methods
 
 
 def main(out_path, n_prompts, repeats, specs):

@@ -4,7 +4,10 @@
 count). Peak memory: the median over the runs that measured it (with a shared vision encoding, only the first clip
 of each frame count runs every method with its own encoding; the other records have ``peak_memory_bytes=None``).
 """
-import gzip, json, statistics, sys
+import gzip
+import json
+import statistics
+import sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -65,8 +68,10 @@ for s in summary:
 print("\n".join(lines))
 
 import matplotlib
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
 fig, axes = plt.subplots(1, 2, figsize=(13, 1.6 + 0.32 * len(summary)), sharey=True)
 labels = [f"{s['method'].replace(':positions=contiguous', '')} @{s['frames']}" for s in summary]
 y = range(len(summary))
