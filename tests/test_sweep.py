@@ -260,8 +260,7 @@ def _child(argv: list[str]) -> None:
     """Run ``mmaccel ARGV`` with each record taking a second after it is written: micro-lm's cells take milliseconds,
     so without it the sweep could finish before the parent's signal arrives."""
     logging.disable(logging.CRITICAL)
-    # a fresh `mmaccel` process has Python's own SIGINT handler; the forked pytest process may have been given
-    # another one by an earlier test's library
+    # a fresh `mmaccel` process has Python's own SIGINT handler: so does this child, whatever the pytest process has
     signal.signal(signal.SIGINT, signal.default_int_handler)
     write = sw._Sink.write
 

@@ -206,9 +206,9 @@ class RetrievalHeads(KVMethod):
     for ``"dense"`` bounds what a streaming head's prompt query sees to sinks + window + its chunk. Padded batches, beam search and cropping raise.
 
     Each shipped pattern carries a card (:attr:`~mmaccel.longctx.head_pattern.HeadPattern.validation`) with its score
-    on text it was not fitted on. ``smollm2-135m`` (training-free) does not transfer: on unseen prose it loses 14 RULER
-    points against full where it loses 4 on its fitting prose (``studies/calibration_transfer/``), and a cache built
-    with it says so in its warnings. ``smollm2-135m-gates`` transfers (16 points against 12).
+    on text it was not fitted on (figures: ``studies/calibration_transfer/``). ``smollm2-135m`` (training-free) does
+    not transfer to prose it was not fitted on, and a cache built with it says so in its warnings;
+    ``smollm2-135m-gates`` transfers.
 
     Raises
     ------

@@ -27,8 +27,9 @@ def main(runs: Path) -> None:
         if not path.is_file():
             continue
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        with gzip.open(HERE / f"results_{name}.jsonl.gz", "wt") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        text = "".join(json.dumps(r) + "\n" for r in records).encode()
+        with gzip.GzipFile(HERE / f"results_{name}.jsonl.gz", "wb", mtime=0) as f:  # rebuilds leave equal files alone
+            f.write(text)
         for depth in sorted({r["extra"]["depth"] for r in records}):
             rs = [r for r in records if r["extra"]["depth"] == depth and r["status"] == "ok"]
             med = lambda xs: statistics.median(xs) if xs else float("nan")
